@@ -1,0 +1,87 @@
+"""Cache configuration and size parsing."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+GiB = 1024**3
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+}  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """Parse `512MB`, `4GiB`, `1.5G` or a plain byte count into bytes."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"size must be >= 0, got {text}")
+        return text
+    match = _SIZE_RE.match(text)
+    unit = (match.group(2) or "").lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}: use a number with a unit like 512MB or 4GiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def default_ram_cache_bytes() -> int:
+    """A quarter of the memory available now, at most 8 GiB."""
+    return int(min(psutil.virtual_memory().available * 0.25, 8 * GiB))
+
+
+def default_ssd_cache_dir() -> Path:
+    return Path(os.path.expanduser("~/.cache/pagedkv/kv"))
+
+
+def default_ssd_cache_bytes(directory: Path) -> int:
+    """min(20 GiB, 10% of the free space on the disk holding `directory`)."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return int(min(20 * GiB, shutil.disk_usage(probe).free * 0.10))
+
+
+@dataclass
+class CacheConfig:
+    """How the prefix cache is laid out and where its tiers live.
+
+    The library writes nothing to disk unless `ssd_cache_dir` is given; the CLI
+    turns the SSD tier on by default.
+    """
+
+    block_size: int = 64
+    ram_cache_bytes: int | None = None  # None: default_ram_cache_bytes()
+    ssd_cache_dir: str | Path | None = None
+    ssd_cache_bytes: int | None = None  # None: default_ssd_cache_bytes(dir)
+    ssd_namespace_quota_bytes: int | None = None
+    ssd_write_buffer_bytes: int = 256 * 1024**2
+    redis_url: str | None = None
+    hash_algorithm: str = "xxh3_128"
+    hash_seed: bytes | str | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs > 1024 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two from 1 to 1024, got {bs!r}")
+        if self.hash_algorithm not in ("xxh3_128", "sha256"):
+            raise ValueError(
+                f"hash_algorithm must be 'xxh3_128' or 'sha256', got {self.hash_algorithm!r}"
+            )
+        for name in ("ram_cache_bytes", "ssd_cache_bytes", "ssd_namespace_quota_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, parse_size(value))
+        if self.ssd_cache_dir is not None:
+            self.ssd_cache_dir = Path(self.ssd_cache_dir).expanduser()

@@ -1,0 +1,125 @@
+"""The interface every KV tier (RAM, SSD, Redis) implements.
+
+A tier stores whole blocks: the keys and values of every layer for up to
+`block_size` tokens, plus the metadata that lets a reader verify a hit (the
+block's hash, its parent key, its token ids and the model namespace). Tiers
+know nothing about models: a block's KV is one tensor
+`[num_layers, 2, num_kv_heads, num_tokens, head_dim]` in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+
+@dataclass(slots=True)
+class BlockMeta:
+    """What identifies a stored block.
+
+    `parent_hash` is the parent key the block's hash was computed from: the
+    previous block's hash (or the chain's root for block 0), folded with this
+    block's segment key when it has one. Children of one parent key are the
+    blocks that may continue a prefix ending there, which is how partial tails
+    are found. `token_ids` is int32, `num_tokens <= block_size` long.
+    """
+
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: np.ndarray
+    namespace: str
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass(slots=True)
+class KVBlock:
+    """A block's metadata and its KV, `[num_layers, 2, kv_heads, num_tokens, head_dim]`."""
+
+    meta: BlockMeta
+    kv: torch.Tensor
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+
+def block_checksum(block: KVBlock) -> bytes:
+    """xxh3_128 over the KV bytes and every metadata field; 16 bytes."""
+    h = xxhash.xxh3_128()
+    h.update(block.meta.block_hash)
+    h.update(block.meta.parent_hash)
+    h.update(np.ascontiguousarray(block.meta.token_ids, dtype=np.int32).tobytes())
+    h.update(block.meta.namespace.encode())
+    h.update(str(tuple(block.kv.shape)).encode() + str(block.kv.dtype).encode())
+    kv = block.kv.detach().contiguous().cpu()
+    h.update(kv.view(torch.uint8).numpy().data if kv.numel() else b"")
+    return h.digest()
+
+
+@dataclass
+class TierStats:
+    """Counters a tier keeps; all are totals since the tier was opened."""
+
+    name: str
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    blocks_written: int = 0
+    writes_dropped: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    num_blocks: int = 0
+    bytes_used: int = 0
+    capacity_bytes: int = 0
+    extra: dict[str, float | int | str | bool] = field(default_factory=dict)
+
+
+class KVTier(ABC):
+    """A store of whole KV blocks, addressed by block hash. Batched everywhere.
+
+    Rules every tier keeps:
+    - `get` returns None for a block it does not have *or* cannot verify
+      (checksum, shape, namespace); an unverifiable entry is removed and
+      counted as `corrupt`. It never raises for a bad entry.
+    - `put` never makes the caller wait on slow I/O for long: persistent tiers
+      queue the write and drop it (counted in `writes_dropped`) when their
+      write budget is full.
+    - `children(parent_hash)` lists the metadata (no KV) of stored blocks whose
+      parent key is `parent_hash`; the engine uses it to find partial tails.
+    """
+
+    name: str = "tier"
+
+    @abstractmethod
+    def contains(self, hashes: Sequence[bytes]) -> list[bool]: ...
+
+    @abstractmethod
+    def get(self, hashes: Sequence[bytes]) -> list[KVBlock | None]: ...
+
+    @abstractmethod
+    def put(self, blocks: Sequence[KVBlock]) -> None: ...
+
+    @abstractmethod
+    def remove(self, hashes: Sequence[bytes]) -> None: ...
+
+    @abstractmethod
+    def children(self, parent_hash: bytes) -> list[BlockMeta]: ...
+
+    @abstractmethod
+    def stats(self) -> TierStats: ...
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait up to `timeout` s for queued writes; True when none are left."""
+        return True
+
+    def close(self) -> None:
+        """Flush within a bounded time and release files, sockets and threads."""

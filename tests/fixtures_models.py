@@ -1,0 +1,1 @@
+"""Tiny randomly initialised models for tests (filled in by the model adapter work)."""
