@@ -1,0 +1,163 @@
+"""TTFT of a 4K-token cached prefix + 64 new tokens, against cold and against the limit.
+
+    .venv/bin/python benchmarks/bench_ttft.py [--model smollm2-135m] [--prefix 4096]
+        [--tiers ram,ssd,redis] [--redis-url URL]
+
+For each tier the cached prefix is restored from, the warm TTFT is compared with
+- the cold TTFT (the same prompt with prefix caching off), and
+- the limit: prefilling only the 64 new tokens on a ready-made transformers
+  cache, plus the prefix's KV bytes divided by the bandwidth of the medium the
+  tier restores from (memory copy for RAM, sequential disk read for SSD; for
+  Redis the target is only the ratio to cold), all measured in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedkv import CacheConfig, Engine, SamplingParams
+from pagedkv.model import load_model
+
+ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 1, (n,), generator=g).tolist()
+
+
+def memory_bandwidth(num_bytes: int = 512 * 2**20) -> float:
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return num_bytes / best
+
+
+def disk_bandwidth(directory: Path, num_bytes: int = 512 * 2**20) -> float:
+    """Sequential read of a fresh large file with its pages dropped from the page cache."""
+    path = directory / "bandwidth.probe"
+    chunk = os.urandom(8 * 2**20)
+    with open(path, "wb") as f:
+        for _ in range(num_bytes // len(chunk)):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    t = time.perf_counter()
+    while os.read(fd, 16 * 2**20):
+        pass
+    elapsed = time.perf_counter() - t
+    os.close(fd)
+    path.unlink()
+    return num_bytes / elapsed
+
+
+def drop_page_cache(directory: Path) -> None:
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def suffix_only_prefill(model: str, prefix: list[int], suffix: list[int], runs: int) -> float:
+    """Median time to prefill `suffix` on a transformers cache already holding `prefix`."""
+    adapter = load_model(model)
+    _, cache = adapter.forward(prefix, adapter.new_cache())
+    layers = [(k.clone(), v.clone()) for k, v in adapter.cache_layers(cache)]
+    times = []
+    for _ in range(runs):
+        ready = adapter.build_cache([(k.clone(), v.clone()) for k, v in layers])
+        t = time.perf_counter()
+        adapter.forward(suffix, ready)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prefix", type=int, default=4096)
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tiers", default="ram,ssd")
+    ap.add_argument("--redis-url", default=None)
+    args = ap.parse_args()
+    tiers = args.tiers.split(",")
+
+    off = Engine.from_pretrained(args.model, cache=CacheConfig(enable_prefix_caching=False))
+    vocab = off.adapter.model.config.vocab_size
+    prefix = prompt_ids(args.prefix, 0, vocab)
+    suffixes = [prompt_ids(args.suffix, 1 + i, vocab) for i in range(args.runs + 1)]
+    kv_bytes = args.prefix * off.adapter.num_layers * 2 * off.adapter.num_kv_heads
+    kv_bytes *= off.adapter.head_dim * torch.empty((), dtype=off.adapter.dtype).element_size()
+    cold = statistics.median(
+        off.generate(prefix + s, ONE).ttft_s for s in suffixes[: max(2, args.runs - 1)]
+    )
+    off.close()
+    prefill = suffix_only_prefill(args.model, prefix, suffixes[0], args.runs)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("PAGEDKV_BENCH_DIR")) as tmp:
+        ssd_dir = Path(tmp) / "kv"
+        if "ram" in tiers:
+            eng = Engine.from_pretrained(args.model, cache=CacheConfig(ram_cache_bytes=2 * 2**30))
+            eng.generate(prefix + suffixes[0], ONE)
+            warm = [eng.generate(prefix + s, ONE) for s in suffixes[1:]]
+            eng.close()
+            bw = memory_bandwidth()
+            rows.append(("ram", warm, bw, "memory copy"))
+        if "ssd" in tiers:
+            cfg = CacheConfig(ram_cache_bytes=2 * 2**30, ssd_cache_dir=ssd_dir,
+                              ssd_cache_bytes=8 * 2**30, hash_seed=b"bench")
+            eng = Engine.from_pretrained(args.model, cache=cfg)
+            eng.generate(prefix + suffixes[0], ONE)
+            eng.close()
+            bw = disk_bandwidth(Path(tmp))
+            warm = []
+            for s in suffixes[1:]:  # a restart for each run: empty RAM, cold page cache
+                drop_page_cache(ssd_dir)
+                eng = Engine.from_pretrained(args.model, cache=cfg)
+                warm.append(eng.generate(prefix + s, ONE))
+                eng.close()
+            rows.append(("ssd", warm, bw, "disk sequential read"))
+        if "redis" in tiers and args.redis_url:
+            cfg = CacheConfig(ram_cache_bytes=2 * 2**30, redis_url=args.redis_url)
+            eng = Engine.from_pretrained(args.model, cache=cfg)
+            eng.generate(prefix + suffixes[0], ONE)
+            eng.close()
+            warm = []
+            for s in suffixes[1:]:
+                eng = Engine.from_pretrained(args.model, cache=cfg)
+                warm.append(eng.generate(prefix + s, ONE))
+                eng.close()
+            rows.append(("redis", warm, float("nan"), "n/a"))
+
+    print(f"model {args.model}, prefix {args.prefix} tokens cached + {args.suffix} new, "
+          f"KV {kv_bytes / 2**20:.1f} MiB, median of {args.runs}")
+    print(f"cold TTFT {cold * 1000:.0f} ms; suffix-only prefill {prefill * 1000:.1f} ms")
+    head = f"{'tier':6} {'cached':>7} {'warm ms':>8} {'cold/warm':>9} {'limit ms':>9} {'warm/limit':>10}  bandwidth"
+    print(head)
+    for name, warm, bw, what in rows:
+        t = statistics.median(r.ttft_s for r in warm)
+        cached = min(r.cached_tokens for r in warm)
+        limit = prefill + kv_bytes / bw if bw == bw else float("nan")
+        print(f"{name:6} {cached:>7} {t * 1000:>8.1f} {cold / t:>9.1f} {limit * 1000:>9.1f} "
+              f"{t / limit:>10.2f}  {bw / 1e9:.1f} GB/s ({what})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,413 @@
+"""The engine: one model worker serving queued requests with prefix reuse."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..config import CacheConfig
+from ..errors import EngineOverloadedError, PagedKVError
+from ..hashing import ExtraKeys
+from ..model import ModelAdapter, load_model
+from .builder import build_prefix_cache
+from .prefix import Lease, PrefixCache
+from .request import GenerationResult, StreamEvent
+from .sampling import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 512
+_STOP = object()
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    extra: ExtraKeys | None
+    events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class Engine:
+    """Serves generate/stream/chat calls from any number of threads.
+
+    One worker thread owns the model, the block pool and the RAM tier; callers
+    hand it requests through a bounded queue and read events back. Requests in
+    flight advance in turn, one prefill chunk or one decoded token at a time,
+    so a long generation does not stall a short one. A request's blocks are
+    released in a `finally`, so an error or a cancelled stream never leaks
+    references.
+    """
+
+    def __init__(
+        self, adapter: ModelAdapter, cache: CacheConfig | None = None, max_queue: int = 64
+    ) -> None:
+        self.adapter = adapter
+        self.config = cache or CacheConfig()
+        self.max_queue = max_queue
+        self.prefix: PrefixCache | None = build_prefix_cache(adapter, self.config)
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._counters = {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+            "generated_tokens": 0,
+            "cancelled": 0,
+            "errors": 0,
+        }
+        self._worker = threading.Thread(target=self._loop, name="pagedkv-worker", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str = "smollm2-135m",
+        cache: CacheConfig | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_queue: int = 64,
+    ) -> Engine:
+        return cls(load_model(model, device=device, dtype=dtype), cache, max_queue)
+
+    # -- public API ---------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.adapter.name
+
+    @property
+    def max_context(self) -> int:
+        return self.adapter.max_context
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.adapter.encode(text)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        return self.adapter.apply_chat_template(list(messages))
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> GenerationResult:
+        for event in self.stream(prompt, params, cache_salt=cache_salt):
+            if event.finished:
+                assert event.result is not None
+                return event.result
+        raise PagedKVError("the request ended without a result")  # pragma: no cover
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Events as tokens are generated. Closing the iterator cancels the request."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else _check_ids(prompt)
+        req = self._submit(ids, params or SamplingParams(), cache_salt)
+        return self._events(req)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> GenerationResult:
+        return self.generate(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+
+    def chat_stream(
+        self,
+        messages: Sequence[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Iterator[StreamEvent]:
+        return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+
+    def num_active_requests(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def cache_stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {
+                "requests": dict(self._counters),
+                "model": self.model_name,
+                "prefix_caching": self.prefix is not None,
+            }
+        if self.prefix is not None:
+            out.update(self.prefix.stats())
+        return out
+
+    def clear_cache(self) -> None:
+        """Forget every unreferenced cached block in all tiers."""
+        if self.prefix is not None:
+            self._call(self.prefix.clear)
+
+    def close(self, timeout: float = 20.0) -> None:
+        """Cancel queued work, finish the worker and flush cache writes within `timeout`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = time.monotonic() + timeout
+        self._queue.put(_STOP)
+        self._worker.join(max(0.0, deadline - time.monotonic() - 1.0))
+        if self.prefix is not None:
+            self.prefix.close(max(0.5, deadline - time.monotonic()))
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- caller side --------------------------------------------------------
+
+    def _submit(self, ids: list[int], params: SamplingParams, salt: str | None) -> _Request:
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) >= self.max_context:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the model's context is "
+                f"{self.max_context}: shorten it"
+            )
+        with self._lock:
+            if self._closed:
+                raise PagedKVError("the engine is closed")
+            if self._pending >= self.max_queue:
+                raise EngineOverloadedError(self._pending, self.max_queue)
+            self._pending += 1
+        req = _Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None)
+        self._queue.put(req)
+        return req
+
+    def _events(self, req: _Request) -> Iterator[StreamEvent]:
+        try:
+            while True:
+                event = req.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+                if event.finished:
+                    return
+        finally:
+            req.cancelled.set()
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the worker thread and wait for it."""
+        done: queue.Queue[Any] = queue.Queue()
+        self._queue.put((fn, done))
+        result = done.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    # -- worker side --------------------------------------------------------
+
+    def _loop(self) -> None:
+        active: list[tuple[_Request, Generator[None, None, None]]] = []
+        stopping = False
+        while not (stopping and not active):
+            try:
+                item = self._queue.get(block=not active and not stopping, timeout=None)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    stopping = True
+                elif isinstance(item, tuple):
+                    fn, done = item
+                    try:
+                        done.put(fn())
+                    except BaseException as exc:  # handed back to the caller
+                        done.put(exc)
+                elif stopping:
+                    item.events.put(PagedKVError("the engine is shutting down"))
+                    self._finish(item, None)
+                else:
+                    active.append((item, self._run(item)))
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            if stopping:
+                for req, _ in active:
+                    req.cancelled.set()
+            for entry in list(active):
+                req, gen = entry
+                try:
+                    if req.cancelled.is_set():
+                        gen.close()
+                        raise StopIteration
+                    next(gen)
+                except StopIteration:
+                    active.remove(entry)
+
+    def _finish(self, req: _Request, result: GenerationResult | None, error: bool = False) -> None:
+        with self._lock:
+            self._pending -= 1
+            c = self._counters
+            if error:
+                c["errors"] += 1
+            if result is not None:
+                c["requests"] += 1
+                c["prompt_tokens"] += result.prompt_tokens
+                c["cached_tokens"] += result.cached_tokens
+                c["generated_tokens"] += len(result.token_ids)
+                c["cancelled"] += result.finish_reason == "cancelled"
+
+    def _run(self, req: _Request) -> Generator[None, None, None]:
+        """One request, advanced one step per `next`: lookup, prefill chunks, tokens."""
+        adapter, prefix, params = self.adapter, self.prefix, req.params
+        prompt = req.prompt
+        max_tokens = min(params.max_tokens, self.max_context - len(prompt))
+        lease: Lease | None = None
+        generated: list[int] = []
+        logprobs: list[float] = []
+        ttft = 0.0
+        reason = "cancelled"
+        cached = 0
+        decoder: _Decoder | None = None
+        error: Exception | None = None
+        cache: Any = None
+        try:
+            cache = adapter.new_cache()
+            if prefix is not None:
+                lease, reuse = prefix.lookup(prompt, req.extra, limit=len(prompt) - 1)
+                cached = reuse.num_tokens
+                if reuse.kv is not None:
+                    cache = adapter.build_cache(
+                        [(reuse.kv[i, 0:1], reuse.kv[i, 1:2]) for i in range(reuse.kv.shape[0])]
+                    )
+            logits = None
+            for start in range(cached, len(prompt), PREFILL_CHUNK):
+                logits, cache = adapter.forward(prompt[start : start + PREFILL_CHUNK], cache)
+                if start + PREFILL_CHUNK < len(prompt):
+                    yield
+            assert logits is not None
+            if prefix is not None and lease is not None:
+                prefix.store(lease, prompt, self._kv_source(cache), tail=False)
+            decoder = _Decoder(adapter, params, ignore=set(adapter.eos_token_ids))
+            sampler = Sampler(params)
+            for step in itertools.count():
+                token, lp = sampler.sample(logits)
+                if step == 0:
+                    ttft = time.perf_counter() - req.submitted
+                generated.append(token)
+                logprobs.append(lp)
+                delta, done = decoder.push(token)
+                if done is None and len(generated) >= max_tokens:
+                    done = "length"
+                if done is not None:
+                    reason = done
+                    delta += decoder.flush()
+                if delta or done is None:
+                    req.events.put(
+                        StreamEvent([token], delta, logprobs=[lp] if params.logprobs else None)
+                    )
+                if done is not None:
+                    break
+                yield
+                logits, cache = adapter.forward([token], cache)
+        except Exception as exc:
+            log.exception("request failed")
+            error, reason = exc, "error"
+        finally:
+            if prefix is not None and lease is not None:
+                try:
+                    if reason not in ("cancelled", "error"):
+                        seq = prompt + generated[:-1]
+                        prefix.store(lease, seq, self._kv_source(cache), tail=True)
+                finally:
+                    prefix.release(lease)
+            result = GenerationResult(
+                text=decoder.text if decoder else "",
+                token_ids=generated,
+                prompt_tokens=len(prompt),
+                cached_tokens=cached,
+                ttft_s=ttft,
+                finish_reason=reason,
+                total_s=time.perf_counter() - req.submitted,
+                logprobs=logprobs if params.logprobs else None,
+                tier_hits=dict(lease.tier_tokens) if lease else {},
+            )
+            if error is not None:
+                req.events.put(error)
+            else:
+                req.events.put(StreamEvent([], "", finished=True, result=result))
+            self._finish(req, None if error else result, error=error is not None)
+
+    def _kv_source(self, cache: Any) -> Callable[[int, int], torch.Tensor]:
+        layers = self.adapter.cache_layers(cache)
+
+        def kv_of(start: int, end: int) -> torch.Tensor:
+            return torch.stack(
+                [torch.stack((k[0, :, start:end], v[0, :, start:end])) for k, v in layers]
+            )
+
+        return kv_of
+
+
+def _check_ids(ids: Sequence[int]) -> list[int]:
+    out = list(ids)
+    for t in out:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise TypeError(f"token ids must be ints, got {type(t).__name__}")
+    return out
+
+
+class _Decoder:
+    """Turns tokens into text deltas, holding back what a stop string might still claim."""
+
+    def __init__(self, adapter: ModelAdapter, params: SamplingParams, ignore: set[int]) -> None:
+        self.adapter = adapter
+        self.stop = [s for s in params.stop if s]
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else ignore)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+
+    def push(self, token: int) -> tuple[str, str | None]:
+        if token in self.stop_ids:
+            return "", "stop"
+        self.ids.append(token)
+        text = self.adapter.decode(self.ids)
+        for s in self.stop:
+            at = text.find(s, max(0, self.sent - len(s)))
+            if at != -1:
+                self.text = text[:at]
+                return self._emit(len(self.text)), "stop"
+        self.text = text
+        end = len(text) - self.hold
+        if text.endswith("\ufffd"):  # an unfinished multi-byte character
+            end = min(end, len(text) - 1)
+        return self._emit(end), None
+
+    def _emit(self, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta
+
+    def flush(self) -> str:
+        return self._emit(len(self.text))

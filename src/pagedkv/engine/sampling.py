@@ -1,0 +1,73 @@
+"""Sampling parameters and the sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+class Sampler:
+    """Picks the next token from float32 logits; one generator per request."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if params.temperature > 0:
+            self.generator = torch.Generator()
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+
+    def sample(self, logits: torch.Tensor) -> tuple[int, float]:
+        """Return (token id, its log-probability under the unmodified distribution)."""
+        logits = logits.float()
+        p = self.params
+        if p.temperature == 0:
+            token = int(torch.argmax(logits))
+        else:
+            scaled = logits / p.temperature
+            if p.top_k > 0 and p.top_k < scaled.numel():
+                kth = torch.topk(scaled, p.top_k).values[-1]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            if p.top_p < 1.0:
+                sorted_logits, order = torch.sort(scaled, descending=True)
+                cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+                drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p
+                sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+                scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
+            probs = torch.softmax(scaled, dim=-1)
+            token = int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+        logprob = float(torch.log_softmax(logits, dim=-1)[token]) if p.logprobs else 0.0
+        return token, logprob
