@@ -121,5 +121,5 @@ class KVTier(ABC):
         """Wait up to `timeout` s for queued writes; True when none are left."""
         return True
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a tier without resources needs no close
         """Flush within a bounded time and release files, sockets and threads."""

@@ -1,0 +1,437 @@
+"""The shared KV tier: whole blocks in Redis, so several engines reuse one cache.
+
+Keys: `pagedkv:<namespace>:<hash hex>` holds one block as a frame (layout in
+`redis_format`); `pagedkv:seed` holds the hashing seed shared by all engines.
+
+Children index (partial-tail lookup): a sorted set `pagedkv:<namespace>:children:
+<parent hex>` whose members are `len(hash) | hash | token ids` scored by write time,
+trimmed to the newest `MAX_CHILDREN` on every write. Redis evicts keys one by one,
+so a member may name a value that is gone: `children()` checks the members' value
+keys with EXISTS, drops dangling members, and returns metadata built from the
+member itself (no value is read); `get` verifies the value as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar, cast
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
+from pagedkv.storage.redis_format import decode_block, encode_block
+
+log = logging.getLogger(__name__)
+
+SEED_KEY = "pagedkv:seed"
+MAX_CHILDREN = 64
+_BATCH_BYTES = 64 * 1024**2
+# redis-py wraps socket failures in ConnectionError/TimeoutError; OSError covers
+# what slips through (TLS handshakes). Any RedisError is treated as an outage:
+# AuthenticationError and a loading server must back off like a dead one.
+_FAILURES: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+_T = TypeVar("_T")
+
+
+class _Breaker:
+    """Exponential backoff after a failed call; one probe call once it expires.
+
+    States: closed (`failures == 0`, every call goes ahead), open (`now < until`,
+    every call is skipped without touching the network), half-open (backoff
+    expired: exactly one caller gets the probe ticket, the rest keep skipping).
+    A failed probe doubles the backoff (capped, +-10% jitter so that engines
+    sharing a Redis do not retry in lockstep); any success closes the breaker.
+    A failure of a call admitted while closed opens the breaker but never
+    escalates it, so a burst of in-flight calls failing together counts once.
+    """
+
+    SKIP, NORMAL, PROBE = 0, 1, 2
+
+    def __init__(self, initial_s: float, max_s: float) -> None:
+        self._initial_s = initial_s
+        self._max_s = max_s
+        self._lock = threading.Lock()
+        self.failures = 0
+        self.until = 0.0
+        self._probing = False
+
+    def admit(self) -> int:
+        with self._lock:
+            if self.failures == 0:
+                return self.NORMAL
+            if self._probing or time.monotonic() < self.until:
+                return self.SKIP
+            self._probing = True
+            return self.PROBE
+
+    def is_open(self) -> bool:
+        """True while calls would be skipped (no probe is due)."""
+        with self._lock:
+            return self.failures > 0 and (self._probing or time.monotonic() < self.until)
+
+    def succeeded(self) -> None:
+        with self._lock:
+            self.failures = 0
+            self._probing = False
+
+    def failed(self, ticket: int) -> float:
+        """Record a failure; returns the backoff now in force (s)."""
+        with self._lock:
+            if ticket == self.PROBE or self.failures == 0:
+                self.failures += 1
+                delay = min(self._initial_s * 2 ** (self.failures - 1), self._max_s)
+                self.until = time.monotonic() + delay * random.uniform(0.9, 1.1)
+            if ticket == self.PROBE:
+                self._probing = False
+            return max(0.0, self.until - time.monotonic())
+
+
+class RedisStore(KVTier):
+    """KV blocks shared through Redis by every engine that points at it.
+
+    Eviction is Redis's own: run the server with a `maxmemory` and
+    `maxmemory-policy allkeys-lru` (the store warns once at start when it can
+    read a policy that is not allkeys-*; managed Redis that forbids CONFIG is
+    fine). Values, children sets and the seed key are all ordinary keys, so
+    any of them may be evicted: a missing value is a miss, a dangling child is
+    skipped, and the seed is re-asserted (SET NX) with every write batch so it
+    stays recent and is recreated with the same value if it was evicted.
+
+    Invariants:
+    - No call raises for Redis trouble and none waits long on it: every socket
+      operation has `socket_timeout`, redis-py retries are off, and after any
+      failure the tier is skipped entirely (no network attempt) until its
+      backoff expires; then one call probes, and success resumes the tier.
+      Skipped and failed calls answer misses; puts are dropped.
+    - `get` returns only blocks whose magic, version, hash, namespace, shape
+      and checksum verify; anything else is deleted and counted `corrupt`.
+    - `put` hands blocks to one writer thread through a queue bounded by
+      `write_queue_bytes`; when full the block is dropped (`writes_dropped`)
+      at once. The writer reads `block.kv` later, so callers pass tensors they
+      will not modify afterwards.
+    - hits/misses/bytes_read count `get` only (`contains` is a probe);
+      bytes_written counts frame bytes Redis acknowledged.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        socket_timeout: float = 0.25,
+        write_queue_bytes: int = 256 * 1024**2,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        if ":" in namespace:
+            raise ValueError(
+                f"Redis namespace {namespace!r} contains ':', which would let key spaces "
+                "overlap; use the model fingerprint (hex)"
+            )
+        self.namespace = namespace
+        self.client = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        kwargs = self.client.connection_pool.connection_kwargs
+        self._where = f"{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}"
+        self._prefix = f"pagedkv:{namespace}:"
+        self._breaker = _Breaker(backoff_initial_s, backoff_max_s)
+        self._stats = TierStats(name=self.name)
+        self._skipped = 0
+        self._stats_lock = threading.Lock()
+        self._seed: bytes | None = None
+        self._queue: deque[KVBlock] = deque()
+        self._queue_limit = write_queue_bytes
+        self._queued_bytes = 0
+        self._busy = False
+        self._closing = False
+        self._cond = threading.Condition()
+        self._writer = threading.Thread(target=self._write_loop, name="pagedkv-redis", daemon=True)
+        self._writer.start()
+
+    # -- keys -------------------------------------------------------------
+
+    def _key(self, block_hash: bytes) -> str:
+        return self._prefix + block_hash.hex()
+
+    def _children_key(self, parent_hash: bytes) -> str:
+        return self._prefix + "children:" + parent_hash.hex()
+
+    # -- calls through the breaker ------------------------------------------
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for field_name, delta in deltas.items():
+                if field_name == "skipped":
+                    self._skipped += delta
+                else:
+                    setattr(self._stats, field_name, getattr(self._stats, field_name) + delta)
+
+    def _call(self, op: Callable[[], _T]) -> tuple[bool, _T | None]:
+        """Run `op` unless the tier is backing off; (False, None) on skip or failure."""
+        ticket = self._breaker.admit()
+        if ticket == _Breaker.SKIP:
+            self._count(skipped=1)
+            return False, None
+        try:
+            result = op()
+        except _FAILURES as exc:
+            first = self._breaker.failures == 0
+            backoff = self._breaker.failed(ticket)
+            self._count(errors=1)
+            if first:
+                log.warning(
+                    "Redis tier at %s failed (%s: %s); skipping it for %.1f s, then retrying "
+                    "with backoff. Requests continue without it.",
+                    self._where, type(exc).__name__, exc, backoff,
+                )  # fmt: skip
+            return False, None
+        if ticket == _Breaker.PROBE:
+            log.warning("Redis tier at %s is reachable again; resuming", self._where)
+        self._breaker.succeeded()
+        return True, result
+
+    # -- KVTier -------------------------------------------------------------
+
+    def contains(self, hashes: Sequence[bytes]) -> list[bool]:
+        if not hashes:
+            return []
+
+        def op() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.exists(self._key(h))
+            return pipe.execute()
+
+        ok, found = self._call(op)
+        return [bool(x) for x in found] if ok and found is not None else [False] * len(hashes)
+
+    def get(self, hashes: Sequence[bytes]) -> list[KVBlock | None]:
+        if not hashes:
+            return []
+        keys = [self._key(h) for h in hashes]
+        ok, values = self._call(lambda: cast("list[bytes | None]", self.client.mget(keys)))
+        if not ok or values is None:
+            self._count(misses=len(hashes))
+            return [None] * len(hashes)
+        out: list[KVBlock | None] = []
+        bad: list[str] = []
+        nbytes = 0
+        for key, h, value in zip(keys, hashes, values, strict=True):
+            block = None if value is None else decode_block(value, h, self.namespace)
+            if value is not None:
+                nbytes += len(value)
+                if block is None:
+                    bad.append(key)
+            out.append(block)
+        hits = sum(b is not None for b in out)
+        self._count(hits=hits, misses=len(out) - hits, bytes_read=nbytes, corrupt=len(bad))
+        if bad:
+            log.warning("Redis tier: %d stored block(s) failed verification; deleted", len(bad))
+            self._call(lambda: self.client.delete(*bad))
+        return out
+
+    def put(self, blocks: Sequence[KVBlock]) -> None:
+        if self._breaker.is_open() or self._closing:
+            self._count(writes_dropped=len(blocks), skipped=1 if blocks else 0)
+            return
+        dropped = 0
+        with self._cond:
+            for block in blocks:
+                size = block.num_bytes
+                if self._queued_bytes + size > self._queue_limit:
+                    dropped += 1
+                    continue
+                self._queue.append(block)
+                self._queued_bytes += size
+            self._cond.notify()
+        if dropped:
+            self._count(writes_dropped=dropped)
+
+    def remove(self, hashes: Sequence[bytes]) -> None:
+        if hashes:
+            keys = [self._key(h) for h in hashes]
+            self._call(lambda: self.client.delete(*keys))
+
+    def children(self, parent_hash: bytes) -> list[BlockMeta]:
+        """Metadata of live children of `parent_hash`, newest first (see module doc)."""
+        zkey = self._children_key(parent_hash)
+        ok, members = self._call(lambda: cast("list[bytes]", self.client.zrevrange(zkey, 0, -1)))
+        if not ok or not members:
+            return []
+        metas: list[BlockMeta] = []
+        kept: list[bytes] = []
+        broken: list[bytes] = []
+        for member in members:
+            hash_len = member[0] if member else 0
+            tokens = member[1 + hash_len :]
+            if hash_len == 0 or len(member) < 1 + hash_len or len(tokens) % 4:
+                broken.append(member)
+                continue
+            token_ids = np.frombuffer(tokens, dtype="<i4").astype(np.int32)
+            block_hash = member[1 : 1 + hash_len]
+            metas.append(BlockMeta(block_hash, parent_hash, token_ids, self.namespace))
+            kept.append(member)
+        live = self.contains([m.block_hash for m in metas]) if metas else []
+        broken += [member for member, alive in zip(kept, live, strict=True) if not alive]
+        if broken:
+            self._call(lambda: self.client.zrem(zkey, *broken))
+        return [meta for meta, alive in zip(metas, live, strict=True) if alive]
+
+    def seed(self, candidate: bytes) -> bytes | None:
+        """The shared hashing seed: `candidate` if no engine set one first; None if unreachable."""
+
+        def op() -> Any:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(SEED_KEY, candidate, nx=True)
+            pipe.get(SEED_KEY)
+            return pipe.execute()[1]
+
+        ok, value = self._call(op)
+        if not ok or not isinstance(value, bytes) or not value:
+            return None
+        self._seed = value
+        return value
+
+    def stats(self) -> TierStats:
+        with self._stats_lock:
+            out = replace(self._stats, extra={})
+            skipped = self._skipped
+        backoff = max(0.0, self._breaker.until - time.monotonic()) if self._breaker.failures else 0
+        out.extra = {
+            "available": not self._breaker.is_open(),
+            "skipped": skipped,
+            "backoff_s": round(backoff, 3),
+            "consecutive_failures": self._breaker.failures,
+            "queued_bytes": self._queued_bytes,
+        }
+        return out
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self) -> None:
+        self.flush(timeout=2.0)
+        with self._cond:
+            self._closing = True
+            dropped = len(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._cond.notify_all()
+        self._count(writes_dropped=dropped)
+        self._writer.join(timeout=2.0)
+        self.client.close()
+
+    # -- writer thread ------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        self._check_server()
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                batch: list[KVBlock] = []
+                size = 0
+                while self._queue and (not batch or size < _BATCH_BYTES):
+                    block = self._queue.popleft()
+                    batch.append(block)
+                    size += block.num_bytes
+                self._busy = True
+            try:
+                self._write(batch)
+            except Exception:  # the writer must outlive any bad block
+                log.exception("Redis tier: writing %d block(s) failed", len(batch))
+                self._count(writes_dropped=len(batch))
+            finally:
+                with self._cond:
+                    self._queued_bytes -= size
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, blocks: list[KVBlock]) -> None:
+        batch: list[KVBlock] = []
+        frames: list[bytes] = []
+        for block in blocks:
+            try:
+                frames.append(encode_block(block))
+                batch.append(block)
+            except ValueError as exc:
+                log.warning("Redis tier: block not stored: %s", exc)
+                self._count(writes_dropped=1)
+        if not batch:
+            return
+
+        def op() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            now = time.time()
+            for block, frame in zip(batch, frames, strict=True):
+                meta = block.meta
+                h = meta.block_hash
+                member = bytes((len(h),)) + h + np.asarray(meta.token_ids, "<i4").tobytes()
+                zkey = self._children_key(meta.parent_hash)
+                pipe.set(self._key(h), frame)
+                pipe.zadd(zkey, {member: now})
+                pipe.zremrangebyrank(zkey, 0, -MAX_CHILDREN - 1)
+            if self._seed is not None:
+                pipe.set(SEED_KEY, self._seed, nx=True)
+            return pipe.execute(raise_on_error=False)
+
+        ok, results = self._call(op)
+        if not ok or results is None:
+            self._count(writes_dropped=len(batch))
+            return
+        written = [not isinstance(r, Exception) for r in results[0 : 3 * len(batch) : 3]]
+        nbytes = sum(len(f) for f, w in zip(frames, written, strict=True) if w)
+        self._count(
+            blocks_written=sum(written),
+            bytes_written=nbytes,
+            writes_dropped=len(batch) - sum(written),
+        )
+        if not all(written):
+            error = next(r for r in results if isinstance(r, Exception))
+            refused = len(batch) - sum(written)
+            log.warning("Redis tier: server refused %d write(s): %s", refused, error)
+
+    def _check_server(self) -> None:
+        try:
+            raw = cast("dict[Any, Any]", self.client.config_get("maxmemory*"))
+        except _FAILURES:
+            return  # unreachable, or CONFIG is forbidden (managed Redis)
+        config = {_text(k): _text(v) for k, v in raw.items()}  # str or bytes by version
+        policy = config.get("maxmemory-policy", "")
+        with self._stats_lock:
+            self._stats.capacity_bytes = int(config.get("maxmemory") or 0)
+        if policy and not policy.startswith("allkeys-"):
+            log.warning(
+                "Redis at %s runs maxmemory-policy %s; pagedkv needs an allkeys-* policy "
+                "(allkeys-lru) or the cache fills Redis and writes fail",
+                self._where, policy,
+            )  # fmt: skip
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
