@@ -40,8 +40,21 @@ def default_ram_cache_bytes() -> int:
     return int(min(psutil.virtual_memory().available * 0.25, 8 * GiB))
 
 
+def cache_home() -> Path:
+    """Root of pagedkv's user cache: $PAGEDKV_CACHE_HOME, else $XDG_CACHE_HOME/pagedkv,
+    else ~/.cache/pagedkv. Tests point PAGEDKV_CACHE_HOME at a temporary directory."""
+    explicit = os.environ.get("PAGEDKV_CACHE_HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "pagedkv"
+    return Path.home() / ".cache" / "pagedkv"
+
+
 def default_ssd_cache_dir() -> Path:
-    return Path(os.path.expanduser("~/.cache/pagedkv/kv"))
+    """Where the CLI keeps the SSD tier unless told otherwise: <cache home>/kv."""
+    return cache_home() / "kv"
 
 
 def default_ssd_cache_bytes(directory: Path) -> int:

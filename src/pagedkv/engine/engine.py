@@ -56,6 +56,7 @@ class Engine:
         self.config = cache or CacheConfig()
         self.max_queue = max_queue
         self.prefix: PrefixCache | None = build_prefix_cache(adapter, self.config)
+        adapter.warmup()  # the first forward in a process is slow; keep it out of TTFTs
         self._queue: queue.Queue[Any] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()

@@ -1,0 +1,141 @@
+"""Content identity of a model: its config and the digest of its weights.
+
+Weights are identified by the sha256 of their files' bytes, streamed. A file's
+digest is remembered in `<cache home>/weight-digests.json`, keyed by its
+resolved path and checked against (size, mtime_ns, ctime_ns, inode, device),
+so a 500 MB model is hashed once (~0.4 s), not at every start. Any rewrite
+changes mtime or ctime and forces a re-hash. Hashing the in-memory state dict
+instead was rejected as the default: it costs the same at every start and
+needs a device-to-host copy on GPU; it remains the fallback for a model that
+was not loaded from files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from pagedkv.config import cache_home
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+DIGEST_CACHE_NAME = "weight-digests.json"
+_MAX_REMEMBERED = 512
+_CHUNK_BYTES = 8 << 20
+
+# Fields that name where or how a model was loaded, not what it computes.
+_PATH_LIKE = frozenset(
+    {"name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
+     "output_attentions", "output_hidden_states", "return_dict", "attn_implementation"}
+)  # fmt: skip
+
+_lock = threading.Lock()
+
+
+def config_identity(config: Any) -> Any:
+    """The config as plain JSON data, minus path-like and private (`_`-prefixed) fields."""
+    return _strip(json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str)))
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: _strip(v) for k, v in value.items() if not k.startswith("_") and k not in _PATH_LIKE
+        }
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
+def weights_digest(model: Any, model_dir: Path | None) -> str:
+    """sha256 over (relative name, file digest) of the weight files in `model_dir`;
+    over the state dict's tensors when there is no directory or it holds no weights."""
+    files = _weight_files(model_dir) if model_dir is not None else []
+    if not files:
+        return "tensors:" + _state_dict_digest(model)
+    assert model_dir is not None
+    outer = hashlib.sha256()
+    for path in files:
+        outer.update(str(path.relative_to(model_dir)).encode() + b"\0")
+        outer.update(bytes.fromhex(file_digest(path)))
+    return "files:" + outer.hexdigest()
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    # Top level only: transformers loads nothing from subfolders such as `original/`.
+    return sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def file_digest(path: Path) -> str:
+    """sha256 hex of a file's bytes, remembered across processes while the file is unchanged."""
+    key = str(path.resolve())
+    stat = _stat_key(path)
+    store = cache_home() / DIGEST_CACHE_NAME
+    with _lock:
+        remembered = _read(store).get(key)
+        if isinstance(remembered, dict) and remembered.get("stat") == stat:
+            return str(remembered["sha256"])
+    digest = _hash_file(path)
+    if _stat_key(path) != stat:  # changed while we read it: do not remember a torn digest
+        return digest
+    with _lock:
+        entries = _read(store)
+        entries[key] = {"stat": stat, "sha256": digest}
+        if len(entries) > _MAX_REMEMBERED:
+            entries = {k: v for k, v in entries.items() if os.path.exists(k)}
+            entries = dict(list(entries.items())[-_MAX_REMEMBERED:])
+        _write(store, entries)
+    return digest
+
+
+def _hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    buffer = bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb") as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _read(store: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(store.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write(store: Path, entries: dict[str, Any]) -> None:
+    """Atomic replace; a cache we cannot write (read-only home) only costs a re-hash later."""
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{store.name}.", dir=store.parent)
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f)
+        os.replace(tmp, store)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _state_dict_digest(model: Any) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()

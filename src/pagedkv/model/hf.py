@@ -1,0 +1,377 @@
+"""Model adapter for Hugging Face transformers 5.x causal LMs.
+
+The adapter is the only module that knows how transformers lays out its KV
+cache. The engine sees per-layer `(keys, values)` tensors `[1, kv_heads,
+tokens, head_dim]` and an opaque cache object it passes back to `forward`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from pagedkv.errors import ModelNotSupportedError
+from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
+from pagedkv.model.fingerprint import config_identity, weights_digest
+
+logger = logging.getLogger(__name__)
+
+# Bumped whenever the meaning of stored KV changes (layout, rounding, RoPE
+# handling); part of every fingerprint, so old blocks simply stop matching.
+KV_LAYOUT_VERSION = 1
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Architectures whose state is not (only) per-token attention KV.
+_RECURRENT_MODEL_TYPES = (
+    "mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba", "bamba", "zamba", "zamba2",
+    "falcon_h1", "falcon_mamba", "granitemoehybrid", "lfm2", "xlstm", "nemotron_h",
+    "qwen3_next", "minimax", "plamo2",
+)  # fmt: skip
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """`auto` → cuda when available, else cpu."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available; use 'cpu'")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto` → float32 on CPU (bfloat16 prefill is several times slower there), bfloat16
+    on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto', {', '.join(map(repr, _DTYPES))}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def prefix_caching_unsupported_reason(config: Any) -> str | None:
+    """Why this model's KV cannot be cut into reusable blocks, or None when it can."""
+    return classify_layers(config)[0]
+
+
+def classify_layers(config: Any) -> tuple[str | None, tuple[int, ...]]:
+    """(reason prefix caching is impossible or None, layers to cache as full attention).
+
+    Reusable blocks need every layer to keep one K and V per token of the whole
+    context: a sliding-window layer drops old tokens, a recurrent layer keeps a
+    state instead of per-token KV, and a layer sharing another's KV has none.
+    A sliding window at least as long as the context never drops anything (e.g.
+    Phi-3-128k), so such layers count as full attention. The layer types come
+    from transformers' own dispatch (`get_layer_types_and_kwargs`), so qwen2's
+    `use_sliding_window` / `max_window_layers` and mistral's `sliding_window`
+    read as transformers reads them.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
+    if model_type in _RECURRENT_MODEL_TYPES or "mamba" in model_type:
+        return f"model type {model_type!r} has recurrent (state-space) layers", ()
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported", ()
+    try:
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    except Exception as exc:  # an architecture the cache code cannot describe
+        return f"cannot read the layer types of model type {model_type!r}: {exc}", ()
+    context = getattr(text, "max_position_embeddings", None)
+    widened: list[int] = []
+    other: list[str] = []
+    windows: set[int] = set()
+    for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
+        if kind == "full_attention":
+            continue
+        window = kwargs.get("sliding_window")
+        if kind in ("sliding_attention", "chunked_attention") and isinstance(window, int):
+            if context is not None and window >= context:
+                widened.append(i)
+                continue
+            windows.add(window)
+        other.append(kind)
+    if other:
+        kinds = ", ".join(sorted(set(other)))
+        detail = f" (window {', '.join(map(str, sorted(windows)))} tokens)" if windows else ""
+        return (
+            f"{len(other)} of {len(layer_types)} layers are {kinds}{detail}, which keep no "
+            "KV for older tokens; prefix caching needs full attention in every layer"
+        ), ()
+    return None, tuple(widened)
+
+
+class ModelAdapter:
+    """A loaded causal LM plus the tokenizer and the KV-cache plumbing the engine needs.
+
+    Invariants: `forward` always runs under `torch.inference_mode()`, so cache
+    tensors it produces are inference tensors (read them anywhere; write into
+    them only inside inference mode). `build_cache` adopts the tensors it is
+    given without copying; transformers' `DynamicLayer` only ever concatenates,
+    never writes in place, so the caller's tensors are never modified.
+    Not thread-safe: one worker owns the adapter.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        name: str,
+        model_dir: Path | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.model_dir = model_dir
+        param = next(model.parameters())
+        self.device: torch.device = param.device
+        self.dtype: torch.dtype = param.dtype
+        self.config = model.config
+        text = model.config.get_text_config(decoder=True)
+        self.num_layers: int = int(text.num_hidden_layers)
+        heads = int(text.num_attention_heads)
+        self.num_kv_heads: int = int(getattr(text, "num_key_value_heads", None) or heads)
+        self.head_dim: int = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        self.vocab_size: int = int(text.vocab_size)
+        self.max_context: int = int(
+            getattr(text, "max_position_embeddings", None)
+            or min(getattr(tokenizer, "model_max_length", 2048), 2048)
+        )
+        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(model, tokenizer)
+
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        if self._cache_kw not in params and not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+        ):
+            raise ModelNotSupportedError(
+                f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`; "
+                "pagedkv needs a transformers causal LM with a KV cache"
+            )
+        self._forward_kwargs: dict[str, Any] = {"use_cache": True}
+        if "logits_to_keep" in params:
+            self._forward_kwargs["logits_to_keep"] = 1
+
+        reason, self._widened_layers = classify_layers(model.config)
+        self.unsupported_reason: str | None = reason
+        if self.unsupported_reason is None and not all(
+            type(layer) is DynamicLayer for layer in self.new_cache().layers
+        ):
+            self.unsupported_reason = "transformers builds a non-standard KV cache for this model"
+        self.prefix_caching_supported: bool = self.unsupported_reason is None
+        self._identity: str | None = None
+
+    # ---- identity -------------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V, all layers, for one token in the model's dtype."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+
+    def fingerprint(self, block_size: int) -> str:
+        """Namespace of this model's KV blocks (SPEC §2): a hex digest of the config
+        (path-like fields dropped), the weights' content, dtype, KV layout version and
+        block size. Never the path: a moved or copied model keeps its cache."""
+        if self._identity is None:
+            self._identity = json.dumps(
+                {
+                    "config": config_identity(self.config),
+                    "weights": weights_digest(self.model, self.model_dir),
+                    "dtype": str(self.dtype).removeprefix("torch."),
+                    "kv_layout": KV_LAYOUT_VERSION,
+                },
+                sort_keys=True,
+            )
+        payload = f"{self._identity}|block_size={int(block_size)}".encode()
+        return hashlib.sha256(payload).hexdigest()[:32]
+
+    # ---- KV cache -------------------------------------------------------
+
+    def new_cache(self) -> Any:
+        """An empty transformers cache for this model."""
+        cache = DynamicCache(config=self.config)
+        for i in self._widened_layers:  # window >= context: plain full-attention layers
+            cache.layers[i] = DynamicLayer()
+        return cache
+
+    def build_cache(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        """A cache holding the given per-layer KV, each `[1, kv_heads, tokens, head_dim]`.
+
+        Tensors already on the model's device and dtype are adopted, not copied
+        (the first forward concatenates onto them anyway).
+        """
+        if not self.prefix_caching_supported:
+            raise ModelNotSupportedError(
+                f"cannot restore KV into {self.name}: {self.unsupported_reason}"
+            )
+        if len(layers) != self.num_layers:
+            raise ValueError(f"build_cache got {len(layers)} layers, model has {self.num_layers}")
+        cache = self.new_cache()
+        expected = (1, self.num_kv_heads, self.head_dim)
+        num_tokens = layers[0][0].shape[2] if layers else 0
+        for i, (keys, values) in enumerate(layers):
+            for t in (keys, values):
+                if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != expected:
+                    raise ValueError(
+                        f"layer {i}: KV shape {tuple(t.shape)}, expected "
+                        f"[1, {self.num_kv_heads}, tokens, {self.head_dim}]"
+                    )
+                if t.shape[2] != num_tokens:
+                    raise ValueError(f"layer {i}: {t.shape[2]} tokens, layer 0 has {num_tokens}")
+            keys = keys.to(device=self.device, dtype=self.dtype)
+            values = values.to(device=self.device, dtype=self.dtype)
+            layer: Any = cache.layers[i]
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        return cache
+
+    def cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer `(keys, values)` `[1, kv_heads, tokens, head_dim]` of a cache (views)."""
+        out = []
+        for layer in cache.layers:
+            if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
+                empty = torch.empty(
+                    (1, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype, device=self.device
+                )
+                out.append((empty, empty))
+            else:
+                out.append((layer.keys, layer.values))
+        return out
+
+    @staticmethod
+    def cache_length(cache: Any) -> int:
+        """Number of tokens a cache holds."""
+        return int(cache.get_seq_length())
+
+    # ---- compute --------------------------------------------------------
+
+    def forward(
+        self, input_ids: Sequence[int] | torch.Tensor, cache: Any = None
+    ) -> tuple[torch.Tensor, Any]:
+        """Run `input_ids` after the tokens already in `cache` (None = empty cache).
+
+        Returns the float32 logits of the last position `[vocab]` and the cache,
+        which now also holds `input_ids`.
+        """
+        if isinstance(input_ids, torch.Tensor):
+            ids = input_ids.to(device=self.device, dtype=torch.long).reshape(1, -1)
+        else:
+            ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
+        if ids.shape[1] == 0:
+            raise ValueError("forward needs at least one input token")
+        if cache is None:
+            cache = self.new_cache()
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, **{self._cache_kw: cache}, **self._forward_kwargs)
+        logits = out.logits[0, -1].float()
+        new_cache = out.cache if self._cache_kw == "cache" else out.past_key_values
+        return logits, new_cache
+
+    def warmup(self) -> None:
+        """Run a short prefill and a decode step on a throwaway cache.
+
+        The first forward of a process pays ~1-2 s of one-time costs (transformers'
+        lazily imported mask/attention code, kernel selection); calling this at
+        start-up keeps them out of the first request's TTFT.
+        """
+        ids = self.encode("warm up") or [0]
+        _, cache = self.forward(ids, None)
+        self.forward(ids[:1], cache)
+
+    # ---- text -----------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text, with the special tokens the tokenizer adds by default
+        (a BOS for Llama-style tokenizers, nothing for ChatML-style ones)."""
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
+        """Token ids of a conversation in the model's chat template, generation prompt added."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ModelNotSupportedError(
+                f"model {self.name} has no chat template; send plain text prompts instead"
+            )
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
+        return [int(i) for i in ids]
+
+    def __repr__(self) -> str:
+        return (
+            f"ModelAdapter({self.name!r}, device={self.device}, dtype={self.dtype}, "
+            f"layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"prefix_caching={'on' if self.prefix_caching_supported else 'off'})"
+        )
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    generation = getattr(model, "generation_config", None)
+    for source in (getattr(generation, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return tuple(sorted(ids))
+
+
+def load_model(
+    name_or_path: str | Path = BUNDLED_MODEL_NAME,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+) -> ModelAdapter:
+    """Load the bundled model by name, or a Hugging Face causal LM from a local directory.
+
+    Never touches the network: everything is read with `local_files_only=True`.
+    """
+    target = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, target)
+    text = str(name_or_path)
+    if text.lower() == BUNDLED_MODEL_NAME:
+        directory, name = ensure_bundled_model(), BUNDLED_MODEL_NAME
+    else:
+        directory = Path(text).expanduser()
+        name = directory.resolve().name if directory.is_dir() else text
+        if not (directory / "config.json").is_file():
+            what = "has no config.json" if directory.is_dir() else "is not a local directory"
+            raise ModelNotSupportedError(
+                f"cannot load model {text!r}: it {what}. pagedkv accepts the bundled model "
+                f"name {BUNDLED_MODEL_NAME!r} or a local directory holding a Hugging Face "
+                "causal LM (config.json, weights, tokenizer). Hub ids are not downloaded: "
+                "fetch the model first (e.g. `hf download ORG/NAME --local-dir DIR`) and pass DIR"
+            )
+    model: Any
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch_dtype, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelNotSupportedError(
+            f"cannot load {text!r} as a transformers causal LM with its tokenizer: {exc}"
+        ) from exc
+    model.to(target)
+    model.eval()
+    adapter = ModelAdapter(model, tokenizer, name=name, model_dir=directory)
+    logger.info("loaded %r", adapter)
+    return adapter

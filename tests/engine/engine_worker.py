@@ -1,0 +1,30 @@
+"""Run an engine in a separate process: `python engine_worker.py SPEC_JSON` prints results.
+
+SPEC: {"model": dir, "cache": {CacheConfig kwargs}, "prompts": [[ids], ...],
+       "max_tokens": n}. Output: one JSON line per prompt with token_ids and
+cached_tokens, then the cache stats.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from pagedkv import CacheConfig, Engine, SamplingParams
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    engine = Engine.from_pretrained(spec["model"], cache=CacheConfig(**spec["cache"]))
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    for prompt in spec["prompts"]:
+        r = engine.generate(prompt, params)
+        print(json.dumps({"token_ids": r.token_ids, "cached_tokens": r.cached_tokens,
+                          "tier_hits": r.tier_hits}), flush=True)
+    stats = engine.cache_stats()
+    engine.close()
+    print(json.dumps({"stats": stats}, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

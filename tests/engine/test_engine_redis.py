@@ -1,0 +1,115 @@
+"""Engines sharing one Redis: reuse across processes, and Redis faults never fail a request."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis as redis_py
+
+from pagedkv import CacheConfig, Engine, SamplingParams
+
+BS = 8
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+WORKER = Path(__file__).with_name("engine_worker.py")
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 200) for _ in range(n)]
+
+
+def _run_worker(model: Path, cache: dict[str, Any], prompts: list[list[int]]) -> list[dict]:
+    spec = {"model": str(model), "cache": cache, "prompts": prompts, "max_tokens": 8}
+    out = subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], capture_output=True,
+                         text=True, timeout=180, check=True)
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def _reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    with Engine.from_pretrained(str(model), cache=CacheConfig(enable_prefix_caching=False)) as off:
+        return [off.generate(p, GREEDY).token_ids for p in prompts]
+
+
+def test_second_engine_in_another_process_reuses_blocks(tiny_llama_dir: Path,
+                                                        redis_url: str) -> None:
+    shared = _prompt(1, 40)
+    prompts = [shared + _prompt(2, 6), shared + _prompt(3, 9)]
+    want = _reference(tiny_llama_dir, prompts)
+    cfg = CacheConfig(block_size=BS, redis_url=redis_url)
+    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as first:
+        assert first.generate(prompts[0], GREEDY).token_ids == want[0]
+    # another process: empty RAM, no SSD, the seed comes from Redis
+    *results, stats = _run_worker(tiny_llama_dir, {"block_size": BS, "redis_url": redis_url},
+                                  prompts)
+    assert [r["token_ids"] for r in results] == want
+    assert results[0]["cached_tokens"] == len(prompts[0]) - 1
+    assert results[0]["tier_hits"].get("redis", 0) > 0
+    assert results[1]["cached_tokens"] >= len(shared)
+    assert stats["stats"]["tiers"]["redis"]["hits"] > 0
+
+
+def test_redis_killed_mid_run_never_fails_or_stalls(tiny_llama_dir: Path,
+                                                    redis_server_factory: Any) -> None:
+    server = redis_server_factory()
+    prompts = [_prompt(10 + i, 30 + 5 * i) for i in range(6)]
+    want = _reference(tiny_llama_dir, prompts)
+    cfg = CacheConfig(block_size=BS, redis_url=server.url)
+    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+        base = eng.generate(prompts[0], GREEDY)
+        assert base.token_ids == want[0]
+        server.stop()
+        for prompt, expected in zip(prompts[1:], want[1:], strict=True):
+            t = time.perf_counter()
+            r = eng.generate(prompt, GREEDY)
+            assert r.token_ids == expected
+            assert time.perf_counter() - t < base.total_s + 1.0
+        assert eng.cache_stats()["tiers"]["redis"]["errors"] > 0
+        # Redis back on the same port: the tier resumes without a new engine.
+        server.start()
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            eng.generate(_prompt(int(time.monotonic() * 1000), 20), GREEDY)
+            eng.prefix.lower.flush(5.0)  # type: ignore[union-attr]
+            if redis_py.Redis.from_url(server.url).dbsize() > 1:
+                break
+            time.sleep(0.5)
+        assert redis_py.Redis.from_url(server.url).dbsize() > 1, "the Redis tier did not resume"
+
+
+def test_corrupted_values_are_misses(tiny_llama_dir: Path, redis_url: str) -> None:
+    prompt = _prompt(20, 50)
+    want = _reference(tiny_llama_dir, [prompt])[0]
+    cfg = CacheConfig(block_size=BS, redis_url=redis_url)
+    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+        eng.generate(prompt, GREEDY)
+    client = redis_py.Redis.from_url(redis_url)
+    for key in client.scan_iter("pagedkv:*"):
+        if client.type(key) == b"string" and key != b"pagedkv:seed":
+            value = bytearray(client.get(key))
+            value[-1] ^= 0xFF
+            client.set(key, bytes(value))
+    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+        r = eng.generate(prompt, GREEDY)
+        assert r.token_ids == want
+        assert r.cached_tokens == 0
+        assert eng.cache_stats()["tiers"]["redis"]["corrupt"] > 0
+
+
+def test_small_maxmemory_lru_stays_correct(tiny_llama_dir: Path,
+                                           redis_server_factory: Any) -> None:
+    server = redis_server_factory(maxmemory="2mb")
+    prompts = [_prompt(30 + i, 120) for i in range(8)]
+    want = _reference(tiny_llama_dir, prompts)
+    cfg = CacheConfig(block_size=BS, redis_url=server.url)
+    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+        for p in prompts:
+            eng.generate(p, GREEDY)
+    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+        got = [eng.generate(p, GREEDY).token_ids for p in prompts]
+    assert got == want
