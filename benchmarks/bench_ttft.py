@@ -120,8 +120,12 @@ def main() -> int:
             bw = memory_bandwidth()
             rows.append(("ram", warm, bw, "memory copy"))
         if "ssd" in tiers:
-            cfg = CacheConfig(ram_cache_bytes=2 * 2**30, ssd_cache_dir=ssd_dir,
-                              ssd_cache_bytes=8 * 2**30, hash_seed=b"bench")
+            cfg = CacheConfig(
+                ram_cache_bytes=2 * 2**30,
+                ssd_cache_dir=ssd_dir,
+                ssd_cache_bytes=8 * 2**30,
+                hash_seed=b"bench",
+            )
             eng = Engine.from_pretrained(args.model, cache=cfg)
             eng.generate(prefix + suffixes[0], ONE)
             eng.close()
@@ -145,17 +149,23 @@ def main() -> int:
                 eng.close()
             rows.append(("redis", warm, float("nan"), "n/a"))
 
-    print(f"model {args.model}, prefix {args.prefix} tokens cached + {args.suffix} new, "
-          f"KV {kv_bytes / 2**20:.1f} MiB, median of {args.runs}")
+    print(
+        f"model {args.model}, prefix {args.prefix} tokens cached + {args.suffix} new, "
+        f"KV {kv_bytes / 2**20:.1f} MiB, median of {args.runs}"
+    )
     print(f"cold TTFT {cold * 1000:.0f} ms; suffix-only prefill {prefill * 1000:.1f} ms")
-    head = f"{'tier':6} {'cached':>7} {'warm ms':>8} {'cold/warm':>9} {'limit ms':>9} {'warm/limit':>10}  bandwidth"
-    print(head)
+    print(
+        f"{'tier':6} {'cached':>7} {'warm ms':>8} {'cold/warm':>9} {'limit ms':>9} "
+        f"{'warm/limit':>10}  bandwidth"
+    )
     for name, warm, bw, what in rows:
         t = statistics.median(r.ttft_s for r in warm)
         cached = min(r.cached_tokens for r in warm)
         limit = prefill + kv_bytes / bw if bw == bw else float("nan")
-        print(f"{name:6} {cached:>7} {t * 1000:>8.1f} {cold / t:>9.1f} {limit * 1000:>9.1f} "
-              f"{t / limit:>10.2f}  {bw / 1e9:.1f} GB/s ({what})")
+        print(
+            f"{name:6} {cached:>7} {t * 1000:>8.1f} {cold / t:>9.1f} {limit * 1000:>9.1f} "
+            f"{t / limit:>10.2f}  {bw / 1e9:.1f} GB/s ({what})"
+        )
     return 0
 
 

@@ -19,8 +19,16 @@ def main() -> None:
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     for prompt in spec["prompts"]:
         r = engine.generate(prompt, params)
-        print(json.dumps({"token_ids": r.token_ids, "cached_tokens": r.cached_tokens,
-                          "tier_hits": r.tier_hits}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "token_ids": r.token_ids,
+                    "cached_tokens": r.cached_tokens,
+                    "tier_hits": r.tier_hits,
+                }
+            ),
+            flush=True,
+        )
     stats = engine.cache_stats()
     engine.close()
     print(json.dumps({"stats": stats}, default=str), flush=True)

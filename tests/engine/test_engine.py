@@ -32,8 +32,9 @@ def model_dir(request: pytest.FixtureRequest, tiny_llama_dir: Path, tiny_qwen2_d
 @pytest.fixture
 def engines(model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
     """(cached, uncached) engines over the same model."""
-    on = Engine.from_pretrained(str(model_dir), cache=CacheConfig(block_size=BS,
-                                                                  ram_cache_bytes=64 * 2**20))
+    on = Engine.from_pretrained(
+        str(model_dir), cache=CacheConfig(block_size=BS, ram_cache_bytes=64 * 2**20)
+    )
     off = Engine.from_pretrained(str(model_dir), cache=CacheConfig(enable_prefix_caching=False))
     yield on, off
     _check_released(on)
@@ -61,8 +62,9 @@ def test_seeded_sampling_identical_with_cache(engines: tuple[Engine, Engine]) ->
     on, off = engines
     rng = random.Random(2)
     prompt = _rand_prompt(rng, 30)
-    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True
+    )
     on.generate(prompt, params)
     got = on.generate(prompt, params)
     assert got.cached_tokens == len(prompt) - 1
@@ -120,8 +122,9 @@ def test_small_ram_budget_forces_evictions_and_stays_exact(model_dir: Path) -> N
     assert probe.prefix is not None
     bpb = probe.prefix.ram.layout.bytes_per_block
     probe.close()
-    on = Engine.from_pretrained(str(model_dir), cache=CacheConfig(block_size=BS,
-                                                                  ram_cache_bytes=12 * bpb))
+    on = Engine.from_pretrained(
+        str(model_dir), cache=CacheConfig(block_size=BS, ram_cache_bytes=12 * bpb)
+    )
     off = Engine.from_pretrained(str(model_dir), cache=CacheConfig(enable_prefix_caching=False))
     rng = random.Random(6)
     prompts = [_rand_prompt(rng, rng.randrange(10, 60)) for _ in range(6)]
@@ -187,8 +190,9 @@ def test_stop_strings_and_max_tokens(engines: tuple[Engine, Engine]) -> None:
         assert cut.finish_reason == "stop"
         assert stop not in cut.text and full.text.startswith(cut.text)
     first = full.token_ids[3]
-    by_id = on.generate(prompt, SamplingParams(max_tokens=16, stop_token_ids=[first],
-                                               ignore_eos=True))
+    by_id = on.generate(
+        prompt, SamplingParams(max_tokens=16, stop_token_ids=[first], ignore_eos=True)
+    )
     assert by_id.finish_reason == "stop" and by_id.token_ids[-1] == first
 
 
@@ -210,11 +214,14 @@ def test_chat_uses_the_template(engines: tuple[Engine, Engine]) -> None:
     assert a.text == b.text == off.chat(msgs, GREEDY).text
 
 
-def test_sliding_window_model_runs_without_cache(tiny_sliding_dir: Path,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_sliding_window_model_runs_without_cache(
+    tiny_sliding_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level("WARNING"):
         eng = Engine.from_pretrained(str(tiny_sliding_dir), cache=CacheConfig(block_size=BS))
-    off = Engine.from_pretrained(str(tiny_sliding_dir), cache=CacheConfig(enable_prefix_caching=False))
+    off = Engine.from_pretrained(
+        str(tiny_sliding_dir), cache=CacheConfig(enable_prefix_caching=False)
+    )
     assert eng.prefix is None
     assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
     prompt = _rand_prompt(random.Random(12), 30)

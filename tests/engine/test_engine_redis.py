@@ -26,8 +26,13 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def _run_worker(model: Path, cache: dict[str, Any], prompts: list[list[int]]) -> list[dict]:
     spec = {"model": str(model), "cache": cache, "prompts": prompts, "max_tokens": 8}
-    out = subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], capture_output=True,
-                         text=True, timeout=180, check=True)
+    out = subprocess.run(
+        [sys.executable, str(WORKER), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
@@ -36,8 +41,9 @@ def _reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
         return [off.generate(p, GREEDY).token_ids for p in prompts]
 
 
-def test_second_engine_in_another_process_reuses_blocks(tiny_llama_dir: Path,
-                                                        redis_url: str) -> None:
+def test_second_engine_in_another_process_reuses_blocks(
+    tiny_llama_dir: Path, redis_url: str
+) -> None:
     shared = _prompt(1, 40)
     prompts = [shared + _prompt(2, 6), shared + _prompt(3, 9)]
     want = _reference(tiny_llama_dir, prompts)
@@ -45,8 +51,9 @@ def test_second_engine_in_another_process_reuses_blocks(tiny_llama_dir: Path,
     with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as first:
         assert first.generate(prompts[0], GREEDY).token_ids == want[0]
     # another process: empty RAM, no SSD, the seed comes from Redis
-    *results, stats = _run_worker(tiny_llama_dir, {"block_size": BS, "redis_url": redis_url},
-                                  prompts)
+    *results, stats = _run_worker(
+        tiny_llama_dir, {"block_size": BS, "redis_url": redis_url}, prompts
+    )
     assert [r["token_ids"] for r in results] == want
     assert results[0]["cached_tokens"] == len(prompts[0]) - 1
     assert results[0]["tier_hits"].get("redis", 0) > 0
@@ -54,8 +61,9 @@ def test_second_engine_in_another_process_reuses_blocks(tiny_llama_dir: Path,
     assert stats["stats"]["tiers"]["redis"]["hits"] > 0
 
 
-def test_redis_killed_mid_run_never_fails_or_stalls(tiny_llama_dir: Path,
-                                                    redis_server_factory: Any) -> None:
+def test_redis_killed_mid_run_never_fails_or_stalls(
+    tiny_llama_dir: Path, redis_server_factory: Any
+) -> None:
     server = redis_server_factory()
     prompts = [_prompt(10 + i, 30 + 5 * i) for i in range(6)]
     want = _reference(tiny_llama_dir, prompts)
@@ -101,8 +109,7 @@ def test_corrupted_values_are_misses(tiny_llama_dir: Path, redis_url: str) -> No
         assert eng.cache_stats()["tiers"]["redis"]["corrupt"] > 0
 
 
-def test_small_maxmemory_lru_stays_correct(tiny_llama_dir: Path,
-                                           redis_server_factory: Any) -> None:
+def test_small_maxmemory_lru_stays_correct(tiny_llama_dir: Path, redis_server_factory: Any) -> None:
     server = redis_server_factory(maxmemory="2mb")
     prompts = [_prompt(30 + i, 120) for i in range(8)]
     want = _reference(tiny_llama_dir, prompts)

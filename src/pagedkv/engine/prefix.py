@@ -89,11 +89,10 @@ class PrefixCache:
                     lease,
                     sources=[f.tier for f in found],
                 )
-                if promoted:
-                    if held_partial is not None:
-                        self.pool.free([held_partial])
-                        self._count(lease, "ram", -partial_tokens)
-                        held_partial, partial_tokens = None, 0
+                if promoted and held_partial is not None:
+                    self.pool.free([held_partial])
+                    self._count(lease, "ram", -partial_tokens)
+                    held_partial, partial_tokens = None, 0
         if self.lower and held_partial is None and len(lease.table) * bs < len(tokens):
             pos = len(lease.table)
             hit = self.lower.fetch_partial(chain.parent_keys[pos], chain.tokens[pos * bs :])
