@@ -159,26 +159,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from .storage.ssd import open_for_maintenance
+    import dataclasses
+
+    from .storage.ssd_maintenance import cache_stats, check_cache, clear_cache
 
     directory = Path(args.ssd_cache_dir).expanduser()
-    if not directory.exists():
+    if not (directory / "index.sqlite").exists():
         print(f"no SSD cache at {directory}", file=sys.stderr)
         return 1 if args.action == "check" else 0
-    store = open_for_maintenance(directory)
-    try:
-        if args.action == "stats":
-            print(json.dumps(store.maintenance_stats(), indent=2, default=str))
-            return 0
-        if args.action == "clear":
-            removed = store.clear(namespace=args.namespace)
-            print(f"removed {removed} blocks from {directory}")
-            return 0
-        report = store.check(fix=args.fix)
-        print(report.summary())
-        return 0 if report.ok or (args.fix and report.fixed) else 1
-    finally:
-        store.close()
+    if args.action == "stats":
+        print(json.dumps(dataclasses.asdict(cache_stats(directory)), indent=2, default=str))
+        return 0
+    if args.action == "clear":
+        removed = clear_cache(directory, namespace=args.namespace)
+        print(f"removed {removed} blocks from {directory}")
+        return 0
+    report = check_cache(directory, fix=args.fix)
+    print(f"{directory}: {report.num_blocks} blocks, {report.bytes_used / 2**20:.1f} MiB")
+    for what in ("rows_without_file", "files_without_row", "temp_files", "corrupt_files"):
+        found = getattr(report, what)
+        if found:
+            print(
+                f"  {what.replace('_', ' ')}: {len(found)}" + (" (fixed)" if report.fixed else "")
+            )
+    if report.problems == 0:
+        print("  no problems found")
+    elif not report.fixed:
+        print("  run `pagedkv cache check --fix` to repair")
+    return 0 if report.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
