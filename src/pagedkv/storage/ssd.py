@@ -1,0 +1,412 @@
+"""The persistent SSD tier: one safetensors file per block, an SQLite index, LRU by access time.
+
+Invariants and ordering rules (python-diskcache's `Cache.set` is the model):
+- A block becomes visible only once whole: its file is written under a
+  temporary name, then renamed into place and its index row inserted in one
+  write transaction. Eviction deletes rows and unlinks files in one write
+  transaction too, so SQLite's lock orders every rename and unlink across
+  processes and a committed row always names an existing file (crashes aside,
+  which start-up repairs).
+- Reads trust nothing: a file is parsed, its size, hash, namespace and token
+  count checked against its header and the index, and its checksum
+  recomputed. A failure is re-checked under the write lock (another process
+  may have evicted the block meanwhile: a plain miss); if it persists, it is
+  a miss, the row and file are removed and it is counted (`corrupt`; a
+  missing file also as `extra["missing"]`). A read error that may pass (EIO)
+  is a miss counted in `errors`, the file kept. Files not in the page cache
+  are read with O_DIRECT (see `ssd_io`), several at once.
+- `put` never waits on the disk (see `ssd_writer`); the caller hands the
+  tensors over and must not write into them afterwards (nothing is copied).
+- Capacity covers every namespace in the directory (several models, several
+  processes); the namespace quota only this store's. Eviction is least
+  recently used by the index's `last_access`, so the order survives restarts.
+- A full disk or a read-only directory turns writes off with one warning;
+  reads go on. No fsync by default: the rename gives atomicity against a
+  crash, and after a power loss the checksum turns a torn file into a miss;
+  `fsync=True` buys durability for one sync per block.
+- Start-up deletes stale temporaries, re-indexes block files without rows
+  that verify (deletes the others), drops rows without files (see
+  `ssd_maintenance`), then enforces capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pagedkv.errors import CacheCorruptionError
+from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
+from pagedkv.storage.ssd_format import block_path, decode_block
+from pagedkv.storage.ssd_index import IndexRow, NamespaceUsage, SSDIndex
+from pagedkv.storage.ssd_io import read_file
+from pagedkv.storage.ssd_maintenance import (
+    INDEX_NAME,
+    CheckReport,
+    DirectoryStats,
+    cache_stats,
+    check_cache,
+    clear_cache,
+    clear_tree,
+    reconcile,
+    unlink_quiet,
+)
+from pagedkv.storage.ssd_seed import read_or_create_seed, read_seed
+from pagedkv.storage.ssd_writer import BlockWriter, Counters
+
+__all__ = [
+    "CheckReport",
+    "DirectoryStats",
+    "NamespaceUsage",
+    "SSDStore",
+    "cache_stats",
+    "check_cache",
+    "clear_cache",
+]
+
+log = logging.getLogger(__name__)
+
+MiB = 1024**2
+
+
+class SSDStore(KVTier):
+    """KV blocks in `<directory>/blocks/<hh>/<hh>/<hash>.safetensors`, indexed in SQLite."""
+
+    name = "ssd"
+
+    def __init__(
+        self,
+        directory: str | Path,
+        capacity_bytes: int,
+        namespace: str,
+        *,
+        namespace_quota_bytes: int | None = None,
+        write_buffer_bytes: int = 256 * MiB,
+        read_threads: int = 4,
+        put_wait_s: float = 0.05,
+        fsync: bool = False,
+    ) -> None:
+        if capacity_bytes < 0 or (namespace_quota_bytes is not None and namespace_quota_bytes < 0):
+            raise ValueError("SSD capacity and quota must be >= 0 bytes")
+        self.directory = Path(directory).expanduser()
+        self.capacity_bytes = int(capacity_bytes)
+        self.namespace = namespace
+        self.namespace_quota_bytes = namespace_quota_bytes
+        self.write_buffer_bytes = int(write_buffer_bytes)
+        self.read_threads = max(1, int(read_threads))
+        self.put_wait_s = float(put_wait_s)
+        self.fsync = fsync
+        self.startup_report: CheckReport | None = None
+        self._counters = Counters(self.name, self.capacity_bytes)
+        self._seed_warned = False
+        self._closed = False
+        open_error: BaseException | None = None
+        try:
+            (self.directory / "blocks").mkdir(parents=True, exist_ok=True)
+            self._index = SSDIndex(self.directory / INDEX_NAME)
+        except (OSError, sqlite3.Error) as exc:
+            open_error = exc
+            self._index = self._open_read_only()
+        self._start_threads()
+        if open_error is not None:
+            self._writer.disable(open_error)
+        else:
+            self._startup()
+
+    def _open_read_only(self) -> SSDIndex:
+        if (self.directory / INDEX_NAME).is_file():
+            try:
+                return SSDIndex(self.directory / INDEX_NAME, read_only=True)
+            except sqlite3.Error as exc:
+                log.warning("SSD cache index in %s cannot be read (%s)", self.directory, exc)
+        return SSDIndex(Path(":memory:"))  # nothing stored and nowhere to write: all misses
+
+    def _start_threads(self) -> None:
+        self._pid = os.getpid()
+        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="pagedkv-ssd-read")
+        self._writer = BlockWriter(
+            self.directory,
+            self._index,
+            self._counters,
+            capacity_bytes=self.capacity_bytes,
+            namespace=self.namespace,
+            quota_bytes=self.namespace_quota_bytes,
+            budget_bytes=self.write_buffer_bytes,
+            put_wait_s=self.put_wait_s,
+            fsync=self.fsync,
+        )
+        self._writer.start()
+
+    def _startup(self) -> None:
+        try:
+            report = reconcile(self.directory, self._index, fix=True, verify=False)
+            self._writer.evict(0)
+        except (OSError, sqlite3.Error) as exc:
+            self._writer.disable(exc)
+            return
+        self.startup_report = report
+        self._counters.add("reindexed", report.reindexed)
+        self._counters.add("temp_files_removed", len(report.temp_files))
+        if report.problems:
+            log.info(
+                "SSD cache %s: removed %d stale temporary files and %d rows without files; "
+                "re-indexed %d of %d files without rows",
+                self.directory,
+                len(report.temp_files),
+                len(report.rows_without_file),
+                report.reindexed,
+                len(report.files_without_row),
+            )
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():  # forked: the parent's threads do not exist here
+            self._start_threads()
+
+    @property
+    def writes_disabled(self) -> bool:
+        return self._writer.writes_off is not None
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        self._check_pid()
+        return self._writer.flush(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what is queued within `timeout` s, drop (and count) the rest, stop threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.close(timeout)
+        self._pool.shutdown(wait=False)
+        self._index.close()
+
+    # ---- KVTier ----
+
+    def contains(self, hashes: Sequence[bytes]) -> list[bool]:
+        self._check_pid()
+        queued = {h for h in hashes if self._writer.queued(h) is not None}
+        try:
+            stored = self._index.present([h for h in hashes if h not in queued], self.namespace)
+        except sqlite3.Error:
+            self._counters.add("errors")
+            stored = set()
+        return [h in queued or h in stored for h in hashes]
+
+    def get(self, hashes: Sequence[bytes]) -> list[KVBlock | None]:
+        self._check_pid()
+        out: list[KVBlock | None] = [self._writer.queued(h) for h in hashes]
+        queued_hits = sum(b is not None for b in out)
+        try:
+            rows = self._index.lookup([h for h, b in zip(hashes, out, strict=True) if b is None])
+        except sqlite3.Error:
+            self._counters.add("errors")
+            rows = {}
+        jobs = [
+            (i, h, row)
+            for i, h in enumerate(hashes)
+            if out[i] is None and (row := rows.get(h)) and row.namespace == self.namespace
+        ]
+        if len(jobs) > 1:
+            results = list(self._pool.map(self._read_one, jobs))
+        else:
+            results = [self._read_one(job) for job in jobs]
+        suspects = [
+            job
+            for job, (block, status) in zip(jobs, results, strict=True)
+            if block is None and status != "error"
+        ]
+        if suspects:
+            results = self._confirm(jobs, results, suspects)
+        hits: list[bytes] = []
+        bytes_read = corrupt = missing = errors = 0
+        for (i, h, row), (block, status) in zip(jobs, results, strict=True):
+            if block is not None:
+                out[i] = block
+                hits.append(h)
+                bytes_read += row.num_bytes
+            errors += status == "error"
+            corrupt += status in ("missing", "corrupt")
+            missing += status == "missing"
+        if hits:
+            self._writer.touch(hits)
+        with self._counters.lock:
+            s = self._counters.stats
+            s.hits += len(hits) + queued_hits
+            s.misses += len(hashes) - len(hits) - queued_hits
+            s.bytes_read += bytes_read
+            s.corrupt += corrupt
+            s.errors += errors
+            self._counters.extra["missing"] += missing
+        return out
+
+    def _confirm(
+        self,
+        jobs: list[tuple[int, bytes, IndexRow]],
+        results: list[tuple[KVBlock | None, str]],
+        suspects: list[tuple[int, bytes, IndexRow]],
+    ) -> list[tuple[KVBlock | None, str]]:
+        """Re-read failed blocks under the write lock before calling them bad.
+
+        Outside the lock another process may have evicted a block (its row and
+        file gone: a plain miss, "gone") or replaced its file between our index
+        lookup and our read. Under the lock no file can change, so a second
+        failure is real: its row and file are removed in the same transaction.
+        """
+        confirmed = dict(zip([job[1] for job in jobs], results, strict=True))
+        try:
+            with self._index.transaction():
+                rows = self._index.lookup([h for _, h, _ in suspects])
+                bad = []
+                for i, h, _ in suspects:
+                    row = rows.get(h)
+                    if row is None:
+                        confirmed[h] = (None, "gone")
+                        continue
+                    confirmed[h] = self._read_one((i, h, row))
+                    if confirmed[h][1] in ("missing", "corrupt"):
+                        bad.append(h)
+                self._index.delete(bad)
+                for h in bad:
+                    unlink_quiet(block_path(self.directory, h))
+        except sqlite3.Error:
+            return [(None, "error") if b is None else (b, st) for b, st in results]
+        return [confirmed[job[1]] for job in jobs]
+
+    def _read_one(self, job: tuple[int, bytes, IndexRow]) -> tuple[KVBlock | None, str]:
+        _, block_hash, row = job
+        try:
+            data = read_file(block_path(self.directory, block_hash), row.num_bytes)
+            block, checksum = decode_block(data, block_hash, self.namespace)
+        except FileNotFoundError:
+            return None, "missing"
+        except CacheCorruptionError:
+            return None, "corrupt"
+        except OSError:
+            return None, "error"
+        if checksum != row.checksum:
+            return None, "corrupt"
+        return block, "ok"
+
+    def _discard(self, hashes: list[bytes]) -> None:
+        """Drop the rows and files of blocks that failed verification (or were removed)."""
+        try:
+            with self._index.transaction():
+                self._index.delete(hashes)
+                for h in hashes:
+                    unlink_quiet(block_path(self.directory, h))
+        except sqlite3.Error:
+            self._counters.add("errors")
+
+    def put(self, blocks: Sequence[KVBlock]) -> None:
+        self._check_pid()
+        for block in blocks:
+            kv, meta = block.kv, block.meta
+            if meta.namespace != self.namespace:
+                raise ValueError(
+                    f"block namespace {meta.namespace!r} is not this store's {self.namespace!r}"
+                )
+            if kv.dim() != 5 or kv.shape[3] != meta.num_tokens:
+                raise ValueError(
+                    f"block KV must be [layers, 2, kv_heads, {meta.num_tokens}, head_dim], "
+                    f"got {list(kv.shape)}"
+                )
+        self._writer.submit(blocks)
+
+    def remove(self, hashes: Sequence[bytes]) -> None:
+        self._check_pid()
+        self._writer.cancel(hashes)
+        self._discard(list(hashes))
+
+    def children(self, parent_hash: bytes) -> list[BlockMeta]:
+        self._check_pid()
+        try:
+            found = self._index.children(parent_hash, self.namespace)
+        except sqlite3.Error:
+            self._counters.add("errors")
+            found = []
+        seen = {m.block_hash for m in found}
+        for meta in self._writer.queued_children(parent_hash):
+            if meta.block_hash not in seen:
+                seen.add(meta.block_hash)
+                found.append(
+                    BlockMeta(meta.block_hash, parent_hash, meta.token_ids, meta.namespace)
+                )
+        return found
+
+    def stats(self) -> TierStats:
+        """This store's counters. `num_blocks` and `bytes_used` cover the whole directory
+        (what `capacity_bytes` bounds); `extra` has this namespace's share."""
+        try:
+            usage = self._index.usage()
+        except sqlite3.Error:
+            usage = {}
+        mine = usage.get(self.namespace, NamespaceUsage(0, 0))
+        queued_blocks, queued_bytes = self._writer.queue_size()
+        with self._counters.lock:
+            s = self._counters.stats
+            result = TierStats(
+                self.name, s.hits, s.misses, s.bytes_read, s.bytes_written, s.blocks_written,
+                s.writes_dropped, s.corrupt, s.errors,
+                num_blocks=sum(u.num_blocks for u in usage.values()),
+                bytes_used=sum(u.num_bytes for u in usage.values()),
+                capacity_bytes=self.capacity_bytes,
+            )  # fmt: skip
+            result.extra = {**self._counters.extra}
+        result.extra.update(
+            namespace_blocks=mine.num_blocks,
+            namespace_bytes=mine.num_bytes,
+            namespaces=len(usage),
+            queued_blocks=queued_blocks,
+            queued_bytes=queued_bytes,
+            writes_disabled=self.writes_disabled,
+        )
+        if self.namespace_quota_bytes is not None:
+            result.extra["namespace_quota_bytes"] = self.namespace_quota_bytes
+        return result
+
+    # ---- maintenance ----
+
+    def namespace_usage(self) -> dict[str, NamespaceUsage]:
+        """Blocks and bytes of every namespace in the directory."""
+        return self._index.usage()
+
+    def directory_stats(self) -> DirectoryStats:
+        return cache_stats(self.directory)
+
+    def check(self, fix: bool = False) -> CheckReport:
+        """Verify every file against the index; with `fix`, reconcile and enforce capacity."""
+        self.flush()
+        fix = fix and not self.writes_disabled
+        report = reconcile(self.directory, self._index, fix=fix, verify=True)
+        if report.fixed:
+            self._writer.evict(0)
+        return report
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Delete every block of the directory, or of one namespace; the seed file stays.
+        Returns the number of blocks removed."""
+        self._writer.cancel(namespace=namespace)
+        self._writer.flush(10.0)
+        return clear_tree(self.directory, self._index, namespace)
+
+    def seed(self, candidate: bytes) -> bytes:
+        """The directory's hashing seed: the seed file's bytes, created from `candidate`
+        (mode 0600) when absent. A directory that cannot be written yields `candidate`."""
+        return read_or_create_seed(self.directory, candidate)
+
+    def seed_mismatch_warning(self, effective_seed: bytes) -> bool:
+        """True (and one warning per store) when the seed file holds another seed."""
+        stored = read_seed(self.directory)
+        if stored is None or stored == effective_seed:
+            return False
+        if not self._seed_warned:
+            self._seed_warned = True
+            log.warning(
+                "SSD cache %s holds blocks made under another hashing seed than the one in "
+                "use: they cannot be found and will age out by LRU. Leave hash_seed unset to "
+                "adopt the directory's seed file.",
+                self.directory,
+            )
+        return True

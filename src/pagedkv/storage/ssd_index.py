@@ -1,0 +1,349 @@
+"""The SSD store's SQLite index: one row per block file, shared by every process.
+
+Invariants:
+- A block file is renamed into place, and its row inserted, in one write
+  transaction; its row is deleted and its file unlinked in one write
+  transaction too (see `transaction`). SQLite's write lock thus serialises
+  every rename and unlink across processes, so at each commit a row names an
+  existing file. Only a crash (or a hand edit) can leave a row without its
+  file, which readers treat as a miss, or a file without a row, which start-up
+  and `check` re-index or delete.
+- `usage` holds, per namespace, the count and byte sum of `blocks`, kept
+  exact by triggers in the same transaction, so the capacity check on every
+  write reads a few rows instead of summing the whole table.
+- `last_access` is wall-clock time, so LRU order survives restarts.
+
+One connection per thread (`threading.local`), reopened in a forked child.
+WAL mode lets readers run while a writer commits; write transactions start
+with BEGIN IMMEDIATE so two processes queue on `busy_timeout` instead of
+failing a read-to-write upgrade with SQLITE_BUSY.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pagedkv.storage.base import BlockMeta
+
+BUSY_TIMEOUT_MS = 10_000
+_CHUNK = 500  # SQLite caps bound variables (32766 here, 999 in old builds)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS blocks (
+    hash BLOB PRIMARY KEY,
+    parent_hash BLOB NOT NULL,
+    namespace TEXT NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    num_bytes INTEGER NOT NULL,
+    checksum BLOB NOT NULL,
+    last_access REAL NOT NULL,
+    token_ids BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent_hash);
+CREATE INDEX IF NOT EXISTS blocks_access ON blocks(last_access);
+CREATE INDEX IF NOT EXISTS blocks_ns_access ON blocks(namespace, last_access);
+CREATE TABLE IF NOT EXISTS usage (
+    namespace TEXT PRIMARY KEY,
+    num_blocks INTEGER NOT NULL,
+    num_bytes INTEGER NOT NULL
+);
+-- A plain INSERT ... WHERE NOT EXISTS, not INSERT OR IGNORE: inside a trigger the
+-- outer statement's conflict policy (the upsert's) would override the IGNORE.
+CREATE TRIGGER IF NOT EXISTS blocks_insert AFTER INSERT ON blocks BEGIN
+    INSERT INTO usage SELECT NEW.namespace, 0, 0
+        WHERE NOT EXISTS (SELECT 1 FROM usage WHERE namespace = NEW.namespace);
+    UPDATE usage SET num_blocks = num_blocks + 1, num_bytes = num_bytes + NEW.num_bytes
+        WHERE namespace = NEW.namespace;
+END;
+CREATE TRIGGER IF NOT EXISTS blocks_delete AFTER DELETE ON blocks BEGIN
+    UPDATE usage SET num_blocks = num_blocks - 1, num_bytes = num_bytes - OLD.num_bytes
+        WHERE namespace = OLD.namespace;
+END;
+CREATE TRIGGER IF NOT EXISTS blocks_update AFTER UPDATE OF namespace, num_bytes ON blocks BEGIN
+    UPDATE usage SET num_blocks = num_blocks - 1, num_bytes = num_bytes - OLD.num_bytes
+        WHERE namespace = OLD.namespace;
+    INSERT INTO usage SELECT NEW.namespace, 0, 0
+        WHERE NOT EXISTS (SELECT 1 FROM usage WHERE namespace = NEW.namespace);
+    UPDATE usage SET num_blocks = num_blocks + 1, num_bytes = num_bytes + NEW.num_bytes
+        WHERE namespace = NEW.namespace;
+END;
+"""
+
+_UPSERT = """
+INSERT INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT(hash) DO UPDATE SET
+    parent_hash = excluded.parent_hash, namespace = excluded.namespace,
+    num_tokens = excluded.num_tokens, num_bytes = excluded.num_bytes,
+    checksum = excluded.checksum, last_access = excluded.last_access,
+    token_ids = excluded.token_ids
+"""
+
+
+@dataclass(slots=True)
+class IndexRow:
+    namespace: str
+    num_bytes: int
+    checksum: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceUsage:
+    num_blocks: int
+    num_bytes: int
+
+
+def _chunks(items: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
+    for i in range(0, len(items), _CHUNK):
+        yield items[i : i + _CHUNK]
+
+
+class SSDIndex:
+    """Typed queries over `<dir>/index.sqlite`. Every method is one short transaction."""
+
+    def __init__(self, path: Path, read_only: bool = False) -> None:
+        self.path = path
+        self.read_only = read_only
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+        try:
+            conn = self._conn()
+            if not read_only and str(path) != ":memory:":
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self) -> sqlite3.Connection:
+        if self.read_only:
+            # A read-only directory cannot hold the WAL's -shm file; `immutable`
+            # reads the database file as it is, which is all a read-only disk offers.
+            uri = f"file:{self.path}?mode=ro"
+            try:
+                conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=1.0)
+                conn.execute("SELECT 1 FROM blocks LIMIT 1")
+            except sqlite3.Error:
+                uri += "&immutable=1"
+                conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=1.0)
+        else:
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+            # NORMAL in WAL mode survives a process crash; a power loss may lose the
+            # last commits, which only turns their blocks into files without rows.
+            conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        if str(self.path) == ":memory:":  # every thread's connection is a database of its own
+            conn.executescript(_SCHEMA)
+        return conn
+
+    def _conn(self) -> sqlite3.Connection:
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            local.conn = self._connect()  # a forked child never reuses the parent's handle
+            local.pid = os.getpid()
+            with self._all_lock:
+                self._all.append(local.conn)
+        conn: sqlite3.Connection = local.conn
+        return conn
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; calls made inside it (this thread) join it.
+
+        Every rename of a block file into place and every unlink of one happens
+        inside such a transaction, together with its row's insert or delete, so
+        these are serialised across processes by SQLite's write lock and a row
+        and its file never disagree at a commit (a crash aside).
+        """
+        conn = self._conn()
+        if conn.in_transaction:
+            yield conn
+            return
+        conn.execute("BEGIN" if self.read_only else "BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            with suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._all_lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            with suppress(sqlite3.Error):
+                conn.close()
+        self._local = threading.local()
+
+    # ---- reads ----
+
+    def lookup(self, hashes: Sequence[bytes]) -> dict[bytes, IndexRow]:
+        conn = self._conn()
+        found: dict[bytes, IndexRow] = {}
+        for part in _chunks(hashes):
+            marks = ",".join("?" * len(part))
+            query = (
+                f"SELECT hash, namespace, num_bytes, checksum FROM blocks WHERE hash IN ({marks})"
+            )
+            for h, ns, size, checksum in conn.execute(query, part):
+                found[h] = IndexRow(ns, size, checksum)
+        return found
+
+    def present(self, hashes: Sequence[bytes], namespace: str | None) -> set[bytes]:
+        conn = self._conn()
+        found: set[bytes] = set()
+        for part in _chunks(hashes):
+            marks = ",".join("?" * len(part))
+            if namespace is None:
+                rows = conn.execute(f"SELECT hash FROM blocks WHERE hash IN ({marks})", part)
+            else:
+                query = f"SELECT hash FROM blocks WHERE hash IN ({marks}) AND namespace = ?"
+                rows = conn.execute(query, [*part, namespace])
+            found.update(h for (h,) in rows)
+        return found
+
+    def children(self, parent_hash: bytes, namespace: str) -> list[BlockMeta]:
+        rows = self._conn().execute(
+            "SELECT hash, token_ids FROM blocks WHERE parent_hash = ? AND namespace = ?",
+            (parent_hash, namespace),
+        )
+        return [
+            BlockMeta(
+                h, parent_hash, np.frombuffer(tokens, dtype="<i4").astype(np.int32), namespace
+            )
+            for h, tokens in rows
+        ]
+
+    def usage(self) -> dict[str, NamespaceUsage]:
+        rows = self._conn().execute(
+            "SELECT namespace, num_blocks, num_bytes FROM usage WHERE num_blocks > 0"
+        )
+        return {ns: NamespaceUsage(n, size) for ns, n, size in rows}
+
+    def all_rows(self) -> dict[bytes, IndexRow]:
+        rows = self._conn().execute("SELECT hash, namespace, num_bytes, checksum FROM blocks")
+        return {h: IndexRow(ns, size, checksum) for h, ns, size, checksum in rows}
+
+    def hashes(self, namespace: str | None = None) -> list[bytes]:
+        conn = self._conn()
+        if namespace is None:
+            return [h for (h,) in conn.execute("SELECT hash FROM blocks")]
+        return [
+            h for (h,) in conn.execute("SELECT hash FROM blocks WHERE namespace = ?", (namespace,))
+        ]
+
+    # ---- writes ----
+
+    def upsert(
+        self, metas: Iterable[tuple[BlockMeta, int, bytes]], touches: Iterable[bytes] = ()
+    ) -> None:
+        """Insert rows for written files `(meta, file bytes, checksum)`; touch `touches`."""
+        now = time.time()
+        rows = [
+            (
+                m.block_hash,
+                m.parent_hash,
+                m.namespace,
+                m.num_tokens,
+                size,
+                checksum,
+                now,
+                np.ascontiguousarray(m.token_ids, dtype="<i4").tobytes(),
+            )
+            for m, size, checksum in metas
+        ]
+        touched = [(now, h) for h in touches]
+        if not rows and not touched:
+            return
+        with self.transaction() as conn:
+            conn.executemany(_UPSERT, rows)
+            conn.executemany("UPDATE blocks SET last_access = ? WHERE hash = ?", touched)
+
+    def insert_row(self, meta: BlockMeta, size: int, checksum: bytes, last_access: float) -> None:
+        """A row for a file found on disk, with its file's time as its access time."""
+        tokens = np.ascontiguousarray(meta.token_ids, dtype="<i4").tobytes()
+        row = (meta.block_hash, meta.parent_hash, meta.namespace, meta.num_tokens)
+        with self.transaction() as conn:
+            conn.execute(_UPSERT, (*row, size, checksum, last_access, tokens))
+
+    def delete(self, hashes: Sequence[bytes]) -> None:
+        with self.transaction() as conn:
+            conn.executemany("DELETE FROM blocks WHERE hash = ?", [(h,) for h in hashes])
+
+    def delete_namespace(self, namespace: str | None) -> list[bytes]:
+        """Delete every row (of one namespace); returns the hashes deleted."""
+        with self.transaction() as conn:
+            if namespace is None:
+                gone = [h for (h,) in conn.execute("SELECT hash FROM blocks")]
+                conn.execute("DELETE FROM blocks")
+            else:
+                query = "SELECT hash FROM blocks WHERE namespace = ?"
+                gone = [h for (h,) in conn.execute(query, (namespace,))]
+                conn.execute("DELETE FROM blocks WHERE namespace = ?", (namespace,))
+        return gone
+
+    def evict(
+        self,
+        capacity_bytes: int,
+        incoming_bytes: int = 0,
+        namespace: str | None = None,
+        quota_bytes: int | None = None,
+        incoming_ns_bytes: int = 0,
+    ) -> list[bytes]:
+        """Delete least recently used rows until `incoming_bytes` more fit.
+
+        First within `namespace` down to `quota_bytes - incoming_ns_bytes`, then
+        across the whole directory down to `capacity_bytes - incoming_bytes`.
+        Returns the evicted hashes; the caller unlinks their files after this
+        commit (row first, then file, so a reader never trusts a half-deleted block).
+        """
+        evicted: list[bytes] = []
+        with self.transaction() as conn:
+            if namespace is not None and quota_bytes is not None:
+                row = conn.execute(
+                    "SELECT num_bytes FROM usage WHERE namespace = ?", (namespace,)
+                ).fetchone()
+                excess = (row[0] if row else 0) + incoming_ns_bytes - quota_bytes
+                query = (
+                    "SELECT hash, num_bytes FROM blocks WHERE namespace = ? ORDER BY last_access"
+                )
+                evicted += self._evict_from(conn, conn.execute(query, (namespace,)), excess)
+            (total,) = conn.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM usage").fetchone()
+            excess = total + incoming_bytes - capacity_bytes
+            query = "SELECT hash, num_bytes FROM blocks ORDER BY last_access"
+            evicted += self._evict_from(conn, conn.execute(query), excess)
+        return evicted
+
+    @staticmethod
+    def _evict_from(
+        conn: sqlite3.Connection, candidates: sqlite3.Cursor, excess: int
+    ) -> list[bytes]:
+        victims: list[bytes] = []
+        while excess > 0:
+            row = candidates.fetchone()
+            if row is None:
+                break
+            victims.append(row[0])
+            excess -= row[1]
+        candidates.close()
+        conn.executemany("DELETE FROM blocks WHERE hash = ?", [(h,) for h in victims])
+        return victims
+
+    def rebuild_usage(self) -> None:
+        """Recompute `usage` from `blocks` (after a crash or hand edits; triggers keep it exact)."""
+        with self.transaction() as conn:
+            conn.execute("DELETE FROM usage")
+            conn.execute(
+                "INSERT INTO usage SELECT namespace, COUNT(*), SUM(num_bytes) "
+                "FROM blocks GROUP BY namespace"
+            )

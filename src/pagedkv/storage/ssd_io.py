@@ -1,0 +1,170 @@
+"""File I/O of the SSD store: atomic writes and fast, verified-size reads.
+
+Writes go to a temporary name beside the final one (tagged with the writer's
+pid so that start-up can tell a dead writer's leftovers); the caller renames.
+Reads fill one freshly allocated, page-aligned tensor per file, with O_DIRECT
+when the file is not in the page cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedkv.errors import CacheCorruptionError
+
+TEMP_MARK = ".tmp-"
+
+
+def temp_name(final: Path) -> Path:
+    """A temporary name beside `final`, tagged with our pid so start-up can tell stale ones."""
+    return final.with_name(f"{final.name}{TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
+
+
+def temp_owner_pid(name: str) -> int | None:
+    """The pid in a temporary file's name, or None when the name carries none."""
+    tail = name.rpartition(TEMP_MARK)[2]
+    pid_text = tail.partition("-")[0]
+    return int(pid_text) if pid_text.isdigit() else None
+
+
+_ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the logical block
+_PAGE = mmap.PAGESIZE
+
+
+def _load_mincore() -> Callable[[int, int], bool] | None:
+    """`cached(fd, size)`: are all of the file's pages in the page cache? (mincore(2))"""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    failed = ctypes.c_void_p(-1).value
+
+    def cached(fd: int, size: int) -> bool:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == failed:
+            return True  # cannot tell: the buffered read is right either way
+        try:
+            vec = (ctypes.c_ubyte * ((size + _PAGE - 1) // _PAGE))()
+            if libc.mincore(addr, size, vec) != 0:
+                return True
+            return bool((np.frombuffer(bytes(vec), dtype=np.uint8) & 1).all())
+        finally:
+            libc.munmap(addr, size)
+
+    return cached
+
+
+_page_cached = _load_mincore()
+
+
+def _aligned_empty(size: int) -> torch.Tensor:
+    """An uninitialised uint8 tensor whose memory starts on an `_ALIGN` boundary."""
+    raw = torch.empty(size + _ALIGN, dtype=torch.uint8)
+    offset = -raw.data_ptr() % _ALIGN
+    return raw[offset : offset + size]
+
+
+def _read_direct(fd: int, view: memoryview, done: int, size: int) -> int:
+    """Read `[done, size)` with O_DIRECT, from the aligned offset below `done`.
+
+    O_DIRECT is switched on the open descriptor (F_SETFL), never by reopening the
+    path, which a concurrent rename may have pointed at another file meanwhile.
+    Returns how far the file was read; `done` unchanged when O_DIRECT is refused.
+    """
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError:
+        return done  # tmpfs on older kernels, some FUSE filesystems
+    pos = done - done % _ALIGN
+    try:
+        while pos < size:
+            n = os.preadv(fd, [view[pos:]], pos)
+            if n == 0:
+                break
+            pos += n
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # EINVAL: alignment this filesystem refuses
+            raise
+        pos = done
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return max(done, pos)
+
+
+def read_file(path: Path, expected_size: int | None = None) -> torch.Tensor:
+    """The whole file as a fresh uint8 tensor (no zero fill, no copy after the read).
+
+    A file wholly in the page cache (recently written or read) is copied from
+    it. Otherwise it is read with O_DIRECT: one large request per file, straight
+    into the tensor, without the page-cache copy, which on a busy CPU is what
+    keeps a parallel restore near the disk's bandwidth, and without filling the
+    cache with blocks the RAM tier will hold anyway. (A non-blocking RWF_NOWAIT
+    probe was rejected: its miss starts a readahead that the O_DIRECT read then
+    collides with, halving throughput.) Buffered when O_DIRECT is refused.
+    Raises FileNotFoundError, OSError, or CacheCorruptionError when the size is
+    not `expected_size` (a truncated or replaced file).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if expected_size is not None and size != expected_size:
+            raise CacheCorruptionError(
+                f"block file is {size} bytes, the index says {expected_size}"
+            )
+        padded = _aligned_empty(size + -size % _ALIGN)
+        view = padded.numpy().data
+        done = 0
+        if size and _page_cached is not None and not _page_cached(fd, size):
+            done = _read_direct(fd, view, 0, size)
+        while done < size:
+            n = os.preadv(fd, [view[done:size]], done)
+            if n == 0:
+                raise CacheCorruptionError(f"block file shrank while read ({done} of {size})")
+            done += n
+        return padded[:size]
+    finally:
+        os.close(fd)
+
+
+def write_temp(path: Path, prefix: bytes, buffers: list[memoryview], fsync: bool) -> Path:
+    """Write `prefix + buffers` to a new temporary name beside `path`; return that name.
+
+    The caller renames it into place (atomic: readers and a crash see the whole
+    file or none). Without `fsync`, a power loss can leave a renamed file with
+    missing data; the checksum turns that into a miss, never a wrong hit.
+    """
+    tmp = temp_name(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            for chunk in [memoryview(prefix), *buffers]:
+                done = 0
+                while done < chunk.nbytes:
+                    done += os.write(fd, chunk[done:])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp

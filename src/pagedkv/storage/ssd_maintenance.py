@@ -1,0 +1,294 @@
+"""Reconciling an SSD cache directory's files with its index: start-up, `check`, `clear`.
+
+Usable without a model or a running store (`pagedkv cache stats|check|clear`):
+`cache_stats`, `check_cache` and `clear_cache` take only the directory.
+
+Choices:
+- A block file without an index row (a crash between rename and insert, or
+  an index lost) is re-indexed when it verifies (checksum, hash in its name),
+  with the file's mtime as its access time, so it ages out first; otherwise it
+  is deleted. Re-indexing keeps KV that cost a prefill; it also makes racing
+  with another process's in-flight write harmless (it inserts the same row).
+- A temporary file is stale when the pid in its name is not alive (or it is
+  an hour old); live processes' temporaries are left alone.
+- Rows are read before the tree is listed, so a file written meanwhile by
+  another process looks unknown (and is re-indexed), never missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+from pagedkv.errors import CacheCorruptionError
+from pagedkv.storage.ssd_format import SUFFIX, block_path, decode_block
+from pagedkv.storage.ssd_index import NamespaceUsage, SSDIndex
+from pagedkv.storage.ssd_io import TEMP_MARK, read_file, temp_owner_pid
+from pagedkv.storage.ssd_seed import SEED_NAME
+
+INDEX_NAME = "index.sqlite"
+STALE_TEMP_S = 3600.0
+
+
+@dataclass
+class CheckReport:
+    """What `check` found. Hashes are hex; files are paths. `.ok`: nothing wrong is left."""
+
+    directory: str
+    num_blocks: int = 0
+    bytes_used: int = 0
+    rows_without_file: list[str] = field(default_factory=list)
+    files_without_row: list[str] = field(default_factory=list)
+    temp_files: list[str] = field(default_factory=list)
+    corrupt_files: list[str] = field(default_factory=list)
+    reindexed: int = 0
+    fixed: bool = False
+
+    @property
+    def problems(self) -> int:
+        return (
+            len(self.rows_without_file)
+            + len(self.files_without_row)
+            + len(self.temp_files)
+            + len(self.corrupt_files)
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.problems == 0 or self.fixed
+
+
+@dataclass
+class DirectoryStats:
+    """Blocks and bytes in a cache directory, in total and per namespace."""
+
+    directory: str
+    num_blocks: int
+    bytes_used: int
+    namespaces: dict[str, NamespaceUsage]
+    has_seed: bool
+
+
+@dataclass(slots=True)
+class TreeScan:
+    files: dict[bytes, Path] = field(default_factory=dict)
+    junk: list[Path] = field(default_factory=list)
+    stale_temps: list[Path] = field(default_factory=list)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
+def _is_stale_temp(entry: os.DirEntry[str], now: float) -> bool:
+    pid = temp_owner_pid(entry.name)
+    if pid is None or not _pid_alive(pid):
+        return True
+    with contextlib.suppress(OSError):
+        return now - entry.stat().st_mtime > STALE_TEMP_S
+    return False
+
+
+def _hash_of(name: str, hh1: str, hh2: str) -> bytes | None:
+    if not name.endswith(SUFFIX):
+        return None
+    hexed = name[: -len(SUFFIX)]
+    if hexed[:2] != hh1 or hexed[2:4] != hh2:
+        return None
+    try:
+        return bytes.fromhex(hexed)
+    except ValueError:
+        return None
+
+
+def scan_tree(root: Path) -> TreeScan:
+    """Every file under `<root>/blocks/<hh>/<hh>/`, sorted into blocks, junk and stale temps."""
+    scan = TreeScan()
+    now = time.time()
+    top = root / "blocks"
+    if not top.is_dir():
+        return scan
+    for level1 in os.scandir(top):
+        if not level1.is_dir(follow_symlinks=False):
+            scan.junk.append(Path(level1.path))
+            continue
+        for level2 in os.scandir(level1.path):
+            if not level2.is_dir(follow_symlinks=False):
+                scan.junk.append(Path(level2.path))
+                continue
+            for entry in os.scandir(level2.path):
+                if entry.is_dir(follow_symlinks=False):
+                    continue
+                if TEMP_MARK in entry.name:
+                    if _is_stale_temp(entry, now):
+                        scan.stale_temps.append(Path(entry.path))
+                    continue
+                block_hash = _hash_of(entry.name, level1.name, level2.name)
+                if block_hash is None:
+                    scan.junk.append(Path(entry.path))
+                else:
+                    scan.files[block_hash] = Path(entry.path)
+    return scan
+
+
+def unlink_quiet(path: Path) -> bool:
+    """Remove a file; False when it was already gone or cannot be removed."""
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def verify_file(path: Path, block_hash: bytes, expected: tuple[int, bytes] | None = None) -> bool:
+    """True when the file parses, its checksum holds, and it matches `(size, checksum)`."""
+    try:
+        data = read_file(path, expected[0] if expected else None)
+        _, checksum = decode_block(data, block_hash)
+    except (OSError, CacheCorruptionError):
+        return False
+    return expected is None or checksum == expected[1]
+
+
+def reconcile(root: Path, index: SSDIndex, *, fix: bool, verify: bool) -> CheckReport:
+    """Compare index rows and files; with `fix`, make them agree.
+
+    `verify` also reads every indexed file and checks it (what `cache check`
+    does; start-up skips it, since reads verify each block anyway). Candidates
+    found without a lock are confirmed inside a write transaction, where no
+    other process can rename or unlink block files, so a live writer elsewhere
+    is never reported or "fixed".
+    """
+    report = CheckReport(directory=str(root))
+    rows = index.all_rows()
+    scan = scan_tree(root)
+    maybe_missing = [h for h in rows if h not in scan.files]
+    maybe_unknown = {h: p for h, p in scan.files.items() if h not in rows}
+    maybe_corrupt = []
+    if verify:
+        for h, row in rows.items():
+            path = scan.files.get(h)
+            if path is not None and not verify_file(path, h, (row.num_bytes, row.checksum)):
+                maybe_corrupt.append(h)
+    with index.transaction():
+        now = index.lookup([*maybe_missing, *maybe_unknown, *maybe_corrupt])
+        missing = [h for h in maybe_missing if h in now and not block_path(root, h).exists()]
+        unknown = {h: p for h, p in maybe_unknown.items() if h not in now and p.exists()}
+        corrupt = [
+            h
+            for h in maybe_corrupt
+            if h in now
+            and not verify_file(block_path(root, h), h, (now[h].num_bytes, now[h].checksum))
+        ]
+        report.temp_files = [str(p) for p in scan.stale_temps]
+        report.rows_without_file = [h.hex() for h in missing]
+        report.files_without_row = [str(p) for p in [*unknown.values(), *scan.junk]]
+        report.corrupt_files = [str(block_path(root, h)) for h in corrupt]
+        if fix and not index.read_only:
+            index.delete(missing + corrupt)
+            for path in [*map(partial(block_path, root), corrupt), *scan.junk, *scan.stale_temps]:
+                unlink_quiet(path)
+            report.reindexed = sum(_reindex(index, p, h) for h, p in unknown.items())
+            index.rebuild_usage()
+            report.fixed = True
+    usage = index.usage()
+    report.num_blocks = sum(u.num_blocks for u in usage.values())
+    report.bytes_used = sum(u.num_bytes for u in usage.values())
+    return report
+
+
+def _reindex(index: SSDIndex, path: Path, block_hash: bytes) -> int:
+    """Index a file that verifies, with its mtime as access time; delete one that does not."""
+    try:
+        stat = path.stat()
+        block, checksum = decode_block(read_file(path), block_hash)
+    except (OSError, CacheCorruptionError):
+        unlink_quiet(path)
+        return 0
+    index.insert_row(block.meta, stat.st_size, checksum, stat.st_mtime)
+    return 1
+
+
+def clear_tree(root: Path, index: SSDIndex, namespace: str | None) -> int:
+    """Delete every block (of one namespace), rows and files in one transaction.
+
+    Returns the number of indexed blocks removed; without a namespace, stray
+    files and stale temporaries go too.
+    """
+    with index.transaction():
+        gone = index.delete_namespace(namespace)
+        for h in gone:
+            unlink_quiet(block_path(root, h))
+        if namespace is None:
+            scan = scan_tree(root)
+            for p in [*scan.files.values(), *scan.junk, *scan.stale_temps]:
+                unlink_quiet(p)
+    return len(gone)
+
+
+def open_index(root: Path) -> SSDIndex:
+    """The index of an existing cache directory, read-only when the disk is."""
+    path = root / INDEX_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{root} is not a pagedkv SSD cache (no {INDEX_NAME}); "
+            "pass the directory given as --ssd-cache-dir"
+        )
+    try:
+        return SSDIndex(path)
+    except sqlite3.OperationalError:
+        return SSDIndex(path, read_only=True)
+
+
+def _stats(root: Path, index: SSDIndex) -> DirectoryStats:
+    usage = index.usage()
+    return DirectoryStats(
+        directory=str(root),
+        num_blocks=sum(u.num_blocks for u in usage.values()),
+        bytes_used=sum(u.num_bytes for u in usage.values()),
+        namespaces=usage,
+        has_seed=(root / SEED_NAME).is_file(),
+    )
+
+
+def cache_stats(directory: str | Path) -> DirectoryStats:
+    """Blocks and bytes per namespace in an SSD cache directory."""
+    root = Path(directory).expanduser()
+    index = open_index(root)
+    try:
+        return _stats(root, index)
+    finally:
+        index.close()
+
+
+def check_cache(directory: str | Path, fix: bool = False) -> CheckReport:
+    """Verify every block file against the index (and fix what is wrong with `fix`)."""
+    root = Path(directory).expanduser()
+    index = open_index(root)
+    try:
+        return reconcile(root, index, fix=fix, verify=True)
+    finally:
+        index.close()
+
+
+def clear_cache(directory: str | Path, namespace: str | None = None) -> int:
+    """Delete all blocks, or one namespace's; the seed file stays. Returns blocks removed."""
+    root = Path(directory).expanduser()
+    index = open_index(root)
+    try:
+        return clear_tree(root, index, namespace)
+    finally:
+        index.close()

@@ -1,0 +1,337 @@
+"""The SSD store's background writer: a bounded queue, one thread, LRU eviction.
+
+Invariants:
+- `put` never waits on the disk: blocks queue within `budget_bytes`; a call
+  whose blocks do not fit waits at most `put_wait_s` in total, then drops the
+  rest (counted in `writes_dropped`). A block larger than the whole budget is
+  still taken when the queue is empty, so one huge block cannot starve.
+- A queued block stays visible (`queued`, `queued_children`) until its row is
+  committed, so a lookup right after `put` finds it.
+- Per batch: make room (evict LRU rows and their files) for the bytes about
+  to land; write each file under a temporary name (no lock held); then, in
+  one write transaction, rename them into place and insert their rows; then
+  evict once more for what other processes added meanwhile. Renames and
+  unlinks happen only inside write transactions (see `ssd_index`).
+- Access times (`touch`) are applied by this thread, in the batch's
+  transaction, so readers never wait for SQLite's write lock.
+- A space or permission error turns writes off for good, with one warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from pagedkv.storage.base import BlockMeta, KVBlock, TierStats, block_checksum
+from pagedkv.storage.ssd_format import block_path, encode_block, file_size
+from pagedkv.storage.ssd_index import SSDIndex
+from pagedkv.storage.ssd_io import write_temp
+from pagedkv.storage.ssd_maintenance import unlink_quiet
+
+log = logging.getLogger("pagedkv.storage.ssd")
+
+MiB = 1024**2
+_BATCH_BLOCKS = 64
+_BATCH_BYTES = 64 * MiB
+_DISABLING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+class Counters:
+    """A tier's counters behind one lock: `TierStats` fields plus named extras."""
+
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        self.lock = threading.Lock()
+        self.stats = TierStats(name, capacity_bytes=capacity_bytes)
+        self.extra = {"missing": 0, "evictions": 0, "reindexed": 0, "temp_files_removed": 0}
+
+    def add(self, name: str, n: int = 1) -> None:
+        if not n:
+            return
+        with self.lock:
+            if name in self.extra:
+                self.extra[name] += n
+            else:
+                setattr(self.stats, name, getattr(self.stats, name) + n)
+
+
+class _BatchFailed(Exception):
+    """Ends a batch whose failure has been accounted for."""
+
+
+def is_disabling(exc: BaseException) -> bool:
+    """A full disk, a quota, or a directory we may not write: retrying will not help."""
+    if isinstance(exc, OSError):
+        return exc.errno in _DISABLING_ERRNOS
+    text = str(exc).lower()
+    return isinstance(exc, sqlite3.Error) and ("full" in text or "readonly" in text)
+
+
+class BlockWriter:
+    """Queues blocks and writes them from one daemon thread; see the module docstring."""
+
+    def __init__(
+        self,
+        directory: Path,
+        index: SSDIndex,
+        counters: Counters,
+        *,
+        capacity_bytes: int,
+        namespace: str,
+        quota_bytes: int | None,
+        budget_bytes: int,
+        put_wait_s: float,
+        fsync: bool,
+    ) -> None:
+        self.directory = directory
+        self.index = index
+        self.counters = counters
+        self.capacity_bytes = capacity_bytes
+        self.namespace = namespace
+        self.quota_bytes = quota_bytes
+        self.budget_bytes = budget_bytes
+        self.put_wait_s = put_wait_s
+        self.fsync = fsync
+        self.writes_off: str | None = None
+        self._cond = threading.Condition()
+        self._pending: dict[bytes, KVBlock] = {}  # queued, oldest first
+        self._inflight: dict[bytes, KVBlock] = {}  # taken by the thread, not yet indexed
+        self._queued_bytes = 0
+        self._touches: set[bytes] = set()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="pagedkv-ssd-writer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---- called by request threads ----
+
+    def submit(self, blocks: Sequence[KVBlock]) -> None:
+        dropped = 0
+        deadline: float | None = None
+        with self._cond:
+            for block in blocks:
+                h, size = block.meta.block_hash, block.num_bytes
+                if h in self._pending or h in self._inflight:
+                    continue
+                while self._over_budget(size) and not self._stop and not self.writes_off:
+                    if deadline is None:
+                        deadline = time.monotonic() + self.put_wait_s
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                if self._over_budget(size) or self._stop or self.writes_off:
+                    dropped += 1
+                    continue
+                self._pending[h] = block
+                self._queued_bytes += size
+            self._cond.notify_all()
+        self.counters.add("writes_dropped", dropped)
+
+    def _over_budget(self, size: int) -> bool:
+        return self._queued_bytes > 0 and self._queued_bytes + size > self.budget_bytes
+
+    def queued(self, block_hash: bytes) -> KVBlock | None:
+        with self._cond:
+            return self._pending.get(block_hash) or self._inflight.get(block_hash)
+
+    def queued_children(self, parent_hash: bytes) -> list[BlockMeta]:
+        with self._cond:
+            blocks = [*self._inflight.values(), *self._pending.values()]
+        return [b.meta for b in blocks if b.meta.parent_hash == parent_hash]
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        with self._cond:
+            self._touches.update(hashes)
+            self._cond.notify_all()
+
+    def cancel(self, hashes: Sequence[bytes] | None = None, namespace: str | None = None) -> None:
+        """Forget queued blocks: these hashes, or every one of `namespace` (None: all)."""
+        with self._cond:
+            if hashes is None:
+                hashes = [
+                    h
+                    for h, b in self._pending.items()
+                    if namespace is None or b.meta.namespace == namespace
+                ]
+            for h in hashes:
+                block = self._pending.pop(h, None)
+                if block is not None:
+                    self._queued_bytes -= block.num_bytes
+            self._cond.notify_all()
+
+    def queue_size(self) -> tuple[int, int]:
+        with self._cond:
+            return len(self._pending) + len(self._inflight), self._queued_bytes
+
+    def flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._pending or self._inflight or (self._touches and not self.writes_off):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, timeout: float) -> None:
+        """Flush within `timeout`, drop (and count) what is left, stop the thread."""
+        start = time.monotonic()
+        self.flush(timeout)
+        with self._cond:
+            self._stop = True
+            self._drop_pending()
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(max(0.1, timeout - (time.monotonic() - start)))
+
+    def _drop_pending(self) -> None:
+        """Drop every queued block; the caller holds `_cond`."""
+        self.counters.add("writes_dropped", len(self._pending))
+        self._queued_bytes -= sum(b.num_bytes for b in self._pending.values())
+        self._pending.clear()
+
+    # ---- the thread ----
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._pending or self._touches or self._stop):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                batch: list[KVBlock] = []
+                size = 0
+                for h in list(self._pending)[:_BATCH_BLOCKS]:
+                    if batch and size >= _BATCH_BYTES:
+                        break
+                    block = self._pending.pop(h)
+                    self._inflight[h] = block
+                    batch.append(block)
+                    size += block.num_bytes
+                touches, self._touches = self._touches, set()
+            try:
+                if self.writes_off:
+                    self.counters.add("writes_dropped", len(batch))
+                else:
+                    self._write_batch(batch, touches)
+            except _BatchFailed:
+                pass
+            except Exception:
+                log.exception("SSD cache writer failed on a batch of %d blocks", len(batch))
+                self.counters.add("errors")
+                self.counters.add("writes_dropped", len(batch))
+            finally:
+                with self._cond:
+                    for block in batch:
+                        self._inflight.pop(block.meta.block_hash, None)
+                        self._queued_bytes -= block.num_bytes
+                    self._cond.notify_all()
+
+    def _write_batch(self, batch: list[KVBlock], touches: set[bytes]) -> None:
+        try:
+            existing = self.index.present([b.meta.block_hash for b in batch], None)
+        except sqlite3.Error as exc:
+            self._fail(exc, len(batch))
+        touches |= existing  # already stored (maybe by another process): only refresh it
+        todo = []
+        for block in batch:
+            if block.meta.block_hash in existing:
+                continue
+            checksum = block_checksum(block)
+            prefix, buffers = encode_block(block, checksum)
+            size = file_size(prefix, buffers)
+            if size > self.capacity_bytes or size > (self.quota_bytes or size):
+                self.counters.add("writes_dropped")
+                continue
+            todo.append((block.meta, checksum, prefix, buffers, size))
+        temps: list[tuple[Path, BlockMeta, int, bytes]] = []
+        try:
+            self.evict(sum(item[4] for item in todo))
+            for meta, checksum, prefix, buffers, size in todo:
+                path = block_path(self.directory, meta.block_hash)
+                try:
+                    tmp = write_temp(path, prefix, buffers, self.fsync)
+                except FileNotFoundError:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = write_temp(path, prefix, buffers, self.fsync)
+                temps.append((tmp, meta, size, checksum))
+            written = self._commit(temps, touches)
+        except (OSError, sqlite3.Error) as exc:
+            for tmp, *_ in temps:
+                unlink_quiet(tmp)
+            self._fail(exc, len(todo))
+        with self.counters.lock:
+            self.counters.stats.blocks_written += len(written)
+            self.counters.stats.bytes_written += sum(size for _, size, _ in written)
+        try:
+            self.evict(0)  # other processes may have added bytes meanwhile
+        except sqlite3.Error as exc:
+            self._fail(exc, 0)
+
+    def _commit(
+        self, temps: list[tuple[Path, BlockMeta, int, bytes]], touches: set[bytes]
+    ) -> list[tuple[BlockMeta, int, bytes]]:
+        """Rename the files into place and insert their rows, in one transaction."""
+        written: list[tuple[BlockMeta, int, bytes]] = []
+        with self.index.transaction():
+            try:
+                raced = self.index.present([meta.block_hash for _, meta, _, _ in temps], None)
+                for tmp, meta, size, checksum in temps:
+                    if meta.block_hash in raced:  # another process stored it since we looked
+                        unlink_quiet(tmp)
+                        continue
+                    os.replace(tmp, block_path(self.directory, meta.block_hash))
+                    written.append((meta, size, checksum))
+                self.index.upsert(written, touches)
+            except BaseException:
+                for meta, _, _ in written:  # their rows roll back: so must their files
+                    unlink_quiet(block_path(self.directory, meta.block_hash))
+                raise
+        return written
+
+    def evict(self, incoming_bytes: int) -> None:
+        """Make room for `incoming_bytes` of this namespace: rows and files in one transaction."""
+        with self.index.transaction():
+            victims = self.index.evict(
+                self.capacity_bytes,
+                incoming_bytes,
+                self.namespace,
+                self.quota_bytes,
+                incoming_bytes,
+            )
+            for h in victims:
+                unlink_quiet(block_path(self.directory, h))
+        self.counters.add("evictions", len(victims))
+
+    def _fail(self, exc: Exception, num_blocks: int) -> NoReturn:
+        self.counters.add("writes_dropped", num_blocks)
+        if is_disabling(exc):
+            self.disable(exc)
+        else:
+            log.warning("SSD cache %s: write failed (%s); blocks dropped", self.directory, exc)
+            self.counters.add("errors")
+        raise _BatchFailed from exc
+
+    def disable(self, exc: BaseException) -> None:
+        """Turn writes off for good, with one warning; reads go on."""
+        with self._cond:
+            if self.writes_off is not None:
+                return
+            self.writes_off = str(exc)
+            self._drop_pending()
+            self._cond.notify_all()
+        self.counters.add("errors")
+        log.warning(
+            "SSD cache %s: writes disabled (%s); stored blocks are still served. "
+            "Free disk space or fix permissions, then restart to write again.",
+            self.directory,
+            exc,
+        )
