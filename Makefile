@@ -24,8 +24,9 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The four prefix-caching workloads, quick sizes; figures in docs/benchmarks.md.
 bench: setup
-	$(PY) benchmarks/bench_pool.py
+	$(VENV)/bin/pagedkv bench --quick --out bench-out
 
 lint: setup
 	$(VENV)/bin/ruff check .

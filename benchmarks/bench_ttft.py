@@ -8,14 +8,18 @@ For each tier the cached prefix is restored from, the warm TTFT is compared with
 - the limit: prefilling only the 64 new tokens on a ready-made transformers
   cache, plus the prefix's KV bytes divided by the bandwidth of the medium the
   tier restores from (memory copy for RAM, sequential disk read for SSD; for
-  Redis the target is only the ratio to cold), all measured in this run.
+  Redis, a second engine with empty RAM and no SSD, the target is only the
+  ratio to cold), all measured in this run.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -73,6 +77,40 @@ def drop_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
+def start_redis(directory: Path) -> str:
+    """A private redis-server for this run (stopped when the benchmark exits)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            "2gb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+            "--dir",
+            str(directory),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    atexit.register(proc.terminate)
+    for _ in range(100):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
 def suffix_only_prefill(model: str, prefix: list[int], suffix: list[int], runs: int) -> float:
     """Median time to prefill `suffix` on a transformers cache already holding `prefix`."""
     adapter = load_model(model)
@@ -94,7 +132,7 @@ def main() -> int:
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tiers", default="ram,ssd")
-    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--redis-url", default=None, help="default: start a private redis-server")
     args = ap.parse_args()
     tiers = args.tiers.split(",")
 
@@ -137,8 +175,9 @@ def main() -> int:
                 warm.append(eng.generate(prefix + s, ONE))
                 eng.close()
             rows.append(("ssd", warm, bw, "disk sequential read"))
-        if "redis" in tiers and args.redis_url:
-            cfg = CacheConfig(ram_cache_bytes=2 * 2**30, redis_url=args.redis_url)
+        if "redis" in tiers:
+            url = args.redis_url or start_redis(Path(tmp))
+            cfg = CacheConfig(ram_cache_bytes=2 * 2**30, redis_url=url)
             eng = Engine.from_pretrained(args.model, cache=cfg)
             eng.generate(prefix + suffixes[0], ONE)
             eng.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import CacheConfig, default_ram_cache_bytes, default_ssd_cache_bytes
 from ..hashing import BlockHasher
@@ -14,6 +15,10 @@ from ..storage.base import KVTier
 from ..storage.ram import KVLayout, RamBlockStore
 from ..storage.tiered import LowerTiers
 from .prefix import PrefixCache
+
+if TYPE_CHECKING:
+    from ..storage.redis import RedisStore
+    from ..storage.ssd import SSDStore
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +85,9 @@ def build_prefix_cache(adapter: ModelAdapter, config: CacheConfig) -> PrefixCach
     return PrefixCache(pool, ram, lower, namespace)
 
 
-def resolve_seed(configured: bytes | str | None, ssd, redis) -> bytes:  # type: ignore[no-untyped-def]
+def resolve_seed(
+    configured: bytes | str | None, ssd: SSDStore | None, redis: RedisStore | None
+) -> bytes:
     """SPEC §2: the configured seed, else Redis's shared seed, else the SSD
     directory's seed file, else a random seed for this process."""
     if isinstance(configured, str):

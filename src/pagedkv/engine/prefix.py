@@ -125,7 +125,7 @@ class PrefixCache:
         except OutOfBlocksError:
             self.alloc_failures += 1
             return None
-        self.ram.ensure_capacity(self.pool.stats().num_blocks)
+        self.ram.ensure_capacity(self.pool.num_blocks)
         return blocks
 
     def _promote(
@@ -135,7 +135,7 @@ class PrefixCache:
         new = self._allocate(len(blocks))
         if new is None:
             return False
-        self.ram.scatter([b.block_id for b in new], torch.cat([b.kv for b in blocks], dim=3))
+        self.ram.write_blocks([b.block_id for b in new], [b.kv for b in blocks])
         lease.table = lease.table + new
         self.pool.cache_blocks(lease.table, tokens, lease.extra)
         for src in sources:
@@ -149,7 +149,7 @@ class PrefixCache:
         new = self._allocate(1)
         if new is None:
             return None
-        self.ram.scatter([new[0].block_id], block.kv)
+        self.ram.write_blocks([new[0].block_id], [block.kv])
         self.pool.cache_blocks(lease.table + new, head + block.meta.token_ids.tolist(), lease.extra)
         return new[0]
 
@@ -178,6 +178,7 @@ class PrefixCache:
 
     def _meta(self, block: Block) -> BlockMeta:
         assert block.block_hash is not None and block.parent_hash is not None
+        assert block.token_ids is not None
         tokens = np.frombuffer(block.token_ids, dtype=np.int32).copy()
         return BlockMeta(block.block_hash, block.parent_hash, tokens, self.namespace)
 

@@ -62,8 +62,14 @@ class RamBlockStore:
             raise ValueError(f"asked for {num_slots} slots, the RAM tier holds {self.max_slots}")
         lay = self.layout
         while self.capacity < num_slots:
-            shape = (lay.num_layers, 2, lay.num_kv_heads, self.slab_slots)
-            shape += (lay.block_size, lay.head_dim)
+            shape = (
+                lay.num_layers,
+                2,
+                lay.num_kv_heads,
+                self.slab_slots,
+                lay.block_size,
+                lay.head_dim,
+            )
             self.slabs.append(torch.zeros(shape, dtype=lay.dtype, device=self.device))
 
     def _split(self, slots: Sequence[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -110,10 +116,14 @@ class RamBlockStore:
             src = blocks if len(pos) == n else blocks.index_select(3, pos.to(self.device))
             self.slabs[s].index_copy_(3, off.to(self.device), src)
 
-    def copy_slot(self, src: int, dst: int, num_tokens: int) -> None:
-        """Copy the first `num_tokens` of one block into another (copy-on-write)."""
-        kv = self.gather([src])[:, :, :, :num_tokens]
-        self.scatter([dst], kv)
+    def write_blocks(self, slots: Sequence[int], kvs: Sequence[torch.Tensor]) -> None:
+        """Write whole blocks from a lower tier, `kvs[i]` `[L, 2, H, n_i, D]`, into
+        `slots[i]`. Copied one block at a time, straight from each block's own
+        tensor: concatenating them first would copy every byte twice."""
+        for slot, kv in zip(slots, kvs, strict=True):
+            slab = self.slabs[slot // self.slab_slots]
+            dst = slab[:, :, :, slot % self.slab_slots]
+            dst[:, :, :, : kv.shape[3]].copy_(kv)
 
     def export(self, slots: Sequence[int], num_tokens: Sequence[int]) -> list[torch.Tensor]:
         """Private copies of blocks for the lower tiers: `[L, 2, H, num_tokens[i], D]` each."""

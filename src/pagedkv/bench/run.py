@@ -1,0 +1,264 @@
+"""`pagedkv bench`: run workloads cached and cold, compare with the ideal cache, report.
+
+Order of the two passes: the cached pass runs first, because a conversation is
+generated online (each turn carries the answer the model really gave) and the
+cached pass fixes it. The cold pass then replays exactly the same prompt ids on
+an engine with prefix caching off, with `max_tokens` set to what the cached
+pass generated and `ignore_eos`, so both passes do the same decoding work; at
+temperature 0 the outputs must match token for token, which the results count
+(`outputs_identical`). Running cold first was rejected: the ideal needs the
+generated ids of the pass it judges, so the cached pass would have to replay
+the cold conversation and check that it reproduced the cold answers anyway.
+
+Every workload gets a fresh temporary SSD directory and a fresh hash seed, so
+neither an old `~/.cache/pagedkv/kv` nor a shared Redis can hand the run KV
+that the ideal cache never saw; results are reproducible from the seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ..config import CacheConfig, default_ssd_cache_dir
+from ..errors import ModelNotSupportedError
+from .ideal import IdealCache
+from .report import RequestRecord, format_table, summarize, write_json, write_plot
+from .workloads import WORKLOADS, Message, Workload, build_workload
+
+WARMUP_TEXT = "Warm-up request: say hello."
+
+
+class Renderer:
+    """Prompt ids of a message list: the model's chat template, or, for a model
+    without one, a plain `role: content` transcript (noted in the results)."""
+
+    def __init__(
+        self,
+        apply_chat_template: Callable[[list[Message]], list[int]],
+        encode: Callable[[str], list[int]],
+    ) -> None:
+        self._template = apply_chat_template
+        self._encode = encode
+        self.kind = "chat template"
+
+    def __call__(self, messages: Sequence[Message]) -> list[int]:
+        if self.kind == "chat template":
+            try:
+                return self._template(list(messages))
+            except ModelNotSupportedError:
+                self.kind = "plain transcript (the model has no chat template)"
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return self._encode(text + "assistant:")
+
+
+def bench_size(args: argparse.Namespace) -> str:
+    """`args.size` ("tiny", "quick", "full") when a caller sets it, else --quick."""
+    return str(getattr(args, "size", None) or ("quick" if args.quick else "full"))
+
+
+def main(args: argparse.Namespace) -> int:
+    if getattr(args, "no_prefix_cache", False):
+        print(
+            "pagedkv bench measures prefix caching: drop --no-prefix-cache (the cold pass "
+            "already runs with the cache off)",
+            file=sys.stderr,
+        )
+        return 2
+    names = list(args.workload or WORKLOADS)
+    size = bench_size(args)
+    if args.url:
+        from .remote import run_remote
+
+        results = run_remote(args, names, size)
+    else:
+        results = run_local(args, names, size)
+    if not results:
+        print("no workload ran", file=sys.stderr)
+        return 1
+    print(format_table(results))
+    for r in results:
+        for note in r.get("notes", []):
+            print(f"note ({r['workload']}): {note}")
+    if args.out:
+        out = Path(args.out).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(results, out / "results.json")
+        write_plot(results, out / "results.png")
+        print(f"wrote {out / 'results.json'} and {out / 'results.png'}")
+    return 0
+
+
+def run_local(args: argparse.Namespace, names: Sequence[str], size: str) -> list[dict[str, Any]]:
+    from ..cli import cache_config_from_args
+    from ..model import load_model
+
+    adapter = load_model(args.model, device=args.device, dtype=args.dtype)
+    base = cache_config_from_args(args)
+    parent: Path | None = None
+    if base.ssd_cache_dir is not None and Path(base.ssd_cache_dir) != default_ssd_cache_dir():
+        parent = Path(base.ssd_cache_dir)  # an explicit disk: the fresh directory goes there
+        parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="pagedkv-bench-", dir=parent) as tmp:
+        for name in names:
+            workload = build_workload(name, size, args.seed)
+            config = dataclasses.replace(
+                base,
+                hash_seed=os.urandom(16),
+                ssd_cache_dir=Path(tmp) / name if base.ssd_cache_dir is not None else None,
+            )
+            if base.ram_cache_bytes is None and workload.ram_cache_tokens:
+                config.ram_cache_bytes = workload.ram_cache_tokens * adapter.kv_bytes_per_token
+            results.append(run_workload(adapter, workload, config))
+    return results
+
+
+def run_workload(adapter: Any, workload: Workload, config: CacheConfig) -> dict[str, Any]:
+    """The cached pass (online conversation), then the cold replay of its measured prompts."""
+    from ..engine import Engine, SamplingParams
+
+    render = Renderer(adapter.apply_chat_template, adapter.encode)
+    measured = workload.measured_steps
+    ideal = IdealCache()
+    histories: dict[int, list[Message]] = {}
+    records: list[RequestRecord] = []
+    prompts: list[list[int]] = []
+    outputs: list[list[int]] = []
+    notes: list[str] = []
+    if workload.restart_at is not None and config.ssd_cache_dir is None:
+        notes.append("no SSD tier (--no-ssd-cache): the restarted engine starts empty")
+    bar = tqdm(
+        total=len(workload.steps) + len(measured),
+        desc=workload.name,
+        unit="req",
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
+    t_start = time.perf_counter()
+    engine = Engine(adapter, config)
+    try:
+        _warm_up(engine, ideal)
+        t0 = time.perf_counter()
+        for i, step in enumerate(workload.steps):
+            if i == workload.restart_at:
+                engine.close()
+                if config.ssd_cache_dir is not None:
+                    _drop_page_cache(Path(config.ssd_cache_dir))
+                engine = Engine(adapter, config)
+                _warm_up(engine, ideal)
+                t0 = time.perf_counter()
+            history = histories.setdefault(step.session, [])
+            history.extend(step.messages)
+            prompt = render(history)
+            r = engine.generate(prompt, SamplingParams(max_tokens=step.max_tokens, temperature=0.0))
+            ideal_tokens = ideal.observe(prompt, r.token_ids)
+            history.append({"role": "assistant", "content": r.text})
+            if i in measured:
+                records.append(
+                    RequestRecord(
+                        step=i,
+                        session=step.session,
+                        turn=step.turn,
+                        prompt_tokens=r.prompt_tokens,
+                        cached_tokens=r.cached_tokens,
+                        ideal_tokens=ideal_tokens,
+                        generated_tokens=len(r.token_ids),
+                        ttft_cached_s=r.ttft_s,
+                        total_cached_s=r.total_s,
+                        tier_hits=dict(r.tier_hits),
+                    )
+                )
+                prompts.append(prompt)
+                outputs.append(list(r.token_ids))
+            bar.update()
+        cached_wall = time.perf_counter() - t0
+        stats = engine.cache_stats()
+    finally:
+        engine.close()
+
+    cold = Engine(
+        adapter,
+        dataclasses.replace(
+            config, enable_prefix_caching=False, ssd_cache_dir=None, redis_url=None
+        ),
+    )
+    try:
+        _warm_up(cold, None)
+        t0 = time.perf_counter()
+        for rec, prompt, want in zip(records, prompts, outputs, strict=True):
+            r = cold.generate(
+                prompt,
+                SamplingParams(max_tokens=rec.generated_tokens, temperature=0.0, ignore_eos=True),
+            )
+            rec.ttft_cold_s, rec.total_cold_s = r.ttft_s, r.total_s
+            rec.cold_cached_tokens = r.cached_tokens
+            rec.same_output = list(r.token_ids) == want
+            bar.update()
+        cold_wall = time.perf_counter() - t0
+    finally:
+        cold.close()
+        bar.close()
+    if render.kind != "chat template":
+        notes.append(f"prompts rendered as a {render.kind}")
+    return summarize(
+        workload=workload.name,
+        model=adapter.name,
+        mode="local",
+        records=records,
+        cached_wall_s=cached_wall,
+        cold_wall_s=cold_wall,
+        wall_s=time.perf_counter() - t_start,
+        extra={
+            "size": workload.size,
+            "seed": workload.seed,
+            "description": workload.description,
+            "block_size": config.block_size,
+            "ram_cache_bytes": config.ram_cache_bytes,
+            "tiers": ["ram"]
+            + (["ssd"] if config.ssd_cache_dir else [])
+            + (["redis"] if config.redis_url else []),
+            "cold_pass": "same prompt ids, prefix caching off, max_tokens = cached pass's "
+            "output length, ignore_eos",
+            "ideal_method": "exact: prompt ids + generated ids of the cached pass",
+            "prompt_format": render.kind,
+            "cache_stats": stats,
+            "notes": notes,
+        },
+    )
+
+
+def _warm_up(engine: Any, ideal: IdealCache | None) -> None:
+    """One short request so that the first measured one pays no one-off setup. Its
+    tokens enter the ideal cache too: the engine may reuse them (a BOS, say)."""
+    from ..engine import SamplingParams
+
+    prompt = engine.tokenize(WARMUP_TEXT)
+    r = engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    if ideal is not None:
+        ideal.remember(prompt, r.token_ids)
+
+
+def _drop_page_cache(directory: Path) -> None:
+    """Make the restarted engine read the SSD tier from disk, not the page cache."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
