@@ -242,3 +242,30 @@ def test_bad_input_is_refused_clearly(engines: tuple[Engine, Engine]) -> None:
         on.generate([1, "x"], GREEDY)  # type: ignore[list-item]
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
+
+
+def test_close_with_requests_in_flight_ends_every_caller(model_dir: Path) -> None:
+    eng = Engine.from_pretrained(str(model_dir), cache=CacheConfig(block_size=BS))
+    results: list[object] = []
+
+    def call(i: int) -> None:
+        try:
+            results.append(
+                eng.generate(
+                    _rand_prompt(random.Random(i), 30),
+                    SamplingParams(max_tokens=400, ignore_eos=True),
+                )
+            )
+        except Exception as exc:  # a queued request may be refused at shutdown
+            results.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    eng.close(timeout=20)
+    for t in threads:
+        t.join(30)
+    assert len(results) == 6, "a caller was left waiting after close()"
+    assert eng.cache_stats()["pool"]["allocated"] == 0
+    with pytest.raises(Exception, match="closed"):
+        eng.generate([1, 2, 3], GREEDY)

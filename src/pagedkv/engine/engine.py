@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import queue
@@ -214,6 +215,8 @@ class Engine:
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the worker thread and wait for it."""
+        if self._closed:
+            raise PagedKVError("the engine is closed")
         done: queue.Queue[Any] = queue.Queue()
         self._queue.put((fn, done))
         result = done.get()
@@ -256,11 +259,19 @@ class Engine:
                 req, gen = entry
                 try:
                     if req.cancelled.is_set():
+                        if inspect.getgeneratorstate(gen) == inspect.GEN_CREATED:
+                            self._abandon(req)  # closing it would not run its `finally`
                         gen.close()
                         raise StopIteration
                     next(gen)
                 except StopIteration:
                     active.remove(entry)
+
+    def _abandon(self, req: _Request) -> None:
+        """End a request cancelled before it started: nothing to release."""
+        result = GenerationResult("", [], len(req.prompt), 0, 0.0, "cancelled")
+        req.events.put(StreamEvent([], "", finished=True, result=result))
+        self._finish(req, result)
 
     def _finish(self, req: _Request, result: GenerationResult | None, error: bool = False) -> None:
         with self._lock:
