@@ -38,3 +38,7 @@ class EngineOverloadedError(PagedKVError):
         super().__init__(
             f"the engine has {queued} requests queued (limit {max_queue}); retry shortly"
         )
+
+
+class EngineClosedError(PagedKVError):
+    """The engine was closed (or is shutting down) and takes no more requests."""

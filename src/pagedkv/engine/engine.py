@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..config import CacheConfig
-from ..errors import EngineOverloadedError, PagedKVError
+from ..errors import EngineClosedError, EngineOverloadedError, PagedKVError
 from ..hashing import ExtraKeys
 from ..model import ModelAdapter, load_model
 from .builder import build_prefix_cache
@@ -94,6 +94,13 @@ class Engine:
     def max_context(self) -> int:
         return self.adapter.max_context
 
+    @property
+    def vocab_size(self) -> int:
+        return self.adapter.vocab_size
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.adapter.decode(token_ids)
+
     def tokenize(self, text: str) -> list[int]:
         return self.adapter.encode(text)
 
@@ -119,11 +126,13 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
-    ) -> Iterator[StreamEvent]:
-        """Events as tokens are generated. Closing the iterator cancels the request."""
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else _check_ids(prompt)
-        req = self._submit(ids, params or SamplingParams(), cache_salt)
-        return self._events(req)
+    ) -> RequestStream:
+        """Events as tokens are generated. `cancel()` or `close()` ends the request."""
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
+        else:
+            ids = _check_ids(prompt, self.vocab_size)
+        return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt))
 
     def chat(
         self,
@@ -140,7 +149,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
-    ) -> Iterator[StreamEvent]:
+    ) -> RequestStream:
         return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt)
 
     def num_active_requests(self) -> int:
@@ -193,7 +202,7 @@ class Engine:
             )
         with self._lock:
             if self._closed:
-                raise PagedKVError("the engine is closed")
+                raise EngineClosedError("the engine is closed")
             if self._pending >= self.max_queue:
                 raise EngineOverloadedError(self._pending, self.max_queue)
             self._pending += 1
@@ -201,22 +210,10 @@ class Engine:
         self._queue.put(req)
         return req
 
-    def _events(self, req: _Request) -> Iterator[StreamEvent]:
-        try:
-            while True:
-                event = req.events.get()
-                if isinstance(event, BaseException):
-                    raise event
-                yield event
-                if event.finished:
-                    return
-        finally:
-            req.cancelled.set()
-
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the worker thread and wait for it."""
         if self._closed:
-            raise PagedKVError("the engine is closed")
+            raise EngineClosedError("the engine is closed")
         done: queue.Queue[Any] = queue.Queue()
         self._queue.put((fn, done))
         result = done.get()
@@ -244,7 +241,7 @@ class Engine:
                     except BaseException as exc:  # handed back to the caller
                         done.put(exc)
                 elif stopping:
-                    item.events.put(PagedKVError("the engine is shutting down"))
+                    item.events.put(EngineClosedError("the engine is shutting down"))
                     self._finish(item, None)
                 else:
                     active.append((item, self._run(item)))
@@ -378,11 +375,44 @@ class Engine:
         return kv_of
 
 
-def _check_ids(ids: Sequence[int]) -> list[int]:
+class RequestStream(Iterator[StreamEvent]):
+    """The events of one request. `cancel()` may be called from any thread (a
+    server noticing a disconnect); `close()`, or dropping the stream, cancels too."""
+
+    def __init__(self, req: _Request) -> None:
+        self._req = req
+        self._done = False
+
+    def __next__(self) -> StreamEvent:
+        if self._done:
+            raise StopIteration
+        event = self._req.events.get()
+        if isinstance(event, BaseException):
+            self._done = True
+            raise event
+        self._done = event.finished
+        return event
+
+    def cancel(self) -> None:
+        self._req.cancelled.set()
+
+    def close(self) -> None:
+        self._req.cancelled.set()
+        self._done = True
+
+    def __del__(self) -> None:
+        self._req.cancelled.set()
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     out = list(ids)
     for t in out:
         if not isinstance(t, int) or isinstance(t, bool):
             raise TypeError(f"token ids must be ints, got {type(t).__name__}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(
+                f"token id {t} is outside the model's vocabulary (0..{vocab_size - 1})"
+            )
     return out
 
 

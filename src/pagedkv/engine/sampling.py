@@ -43,7 +43,7 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
-        if params.temperature > 0:
+        if params.temperature >= 1e-5:
             self.generator = torch.Generator()
             if params.seed is not None:
                 self.generator.manual_seed(params.seed)
@@ -54,7 +54,8 @@ class Sampler:
         """Return (token id, its log-probability under the unmodified distribution)."""
         logits = logits.float()
         p = self.params
-        if p.temperature == 0:
+        # Temperatures this small only overflow the division; they mean greedy.
+        if p.temperature < 1e-5:
             token = int(torch.argmax(logits))
         else:
             scaled = logits / p.temperature
@@ -65,6 +66,7 @@ class Sampler:
                 sorted_logits, order = torch.sort(scaled, descending=True)
                 cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
                 drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p
+                drop[0] = False  # the most likely token always stays, however small top_p
                 sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
                 scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
             probs = torch.softmax(scaled, dim=-1)

@@ -1,0 +1,379 @@
+"""The OpenAI-compatible HTTP app: routes, authentication and error mapping.
+
+Status codes: malformed JSON, wrong types and unsupported values are 400 with
+the field in `param` (never 422); a missing or wrong key 401; a non-admin key
+on an admin endpoint 403; an unknown model or path 404; a body over
+`max_body_bytes` 413; a full engine queue 429 and a shutting-down server 503,
+both with Retry-After. Bad input is refused before it reaches the engine; the
+catch-all 500 handler exists for bugs only.
+
+Keys: when none are configured every caller is the one (admin) tenant. When
+keys are configured, every /v1 endpoint needs one; /health and /metrics stay
+open for orchestrators and scrapers (they show only aggregate counts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from anyio import to_thread
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.request import StreamEvent
+from .auth import ANONYMOUS, KeyRing, Tenant
+from .generation import Generation, Options
+from .http_errors import APIError, bad_request, shutting_down
+from .metrics import ServerMetrics
+from .middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from .prepare import (
+    chat_messages,
+    check_supported,
+    check_token_ids,
+    completion_prompt,
+    max_new_tokens,
+    sampling_params,
+)
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)
+}
+STREAMS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    200: {
+        "description": "JSON, or with `stream: true` server-sent events ending in `data: [DONE]`",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+}
+
+
+@dataclass
+class ServerState:
+    """What the routes share. `closing` is set by `run_server` on SIGTERM."""
+
+    engine: Any
+    model_name: str
+    keys: KeyRing
+    metrics: ServerMetrics
+    vocab_size: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+    closing: bool = False
+    generations: set[Generation] = field(default_factory=set)
+
+    def cancel_all(self) -> int:
+        """Cancel every generation in flight; returns how many there were."""
+        for gen in list(self.generations):
+            gen.cancel()
+        return len(self.generations)
+
+
+_bearer = HTTPBearer(auto_error=False, description="an API key, when the server has keys")
+
+
+async def authenticate(
+    request: Request,
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Tenant:
+    keys: KeyRing = request.app.state.pagedkv.keys
+    if not keys.enabled:
+        return ANONYMOUS
+    if creds is None:
+        raise APIError(
+            401,
+            "missing API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    tenant = keys.lookup(creds.credentials)
+    if tenant is None:
+        raise APIError(
+            401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+        )
+    return tenant
+
+
+TenantDep = Annotated[Tenant, Depends(authenticate)]
+
+
+def create_app(
+    engine: Any,
+    *,
+    api_keys: Iterable[str] = (),
+    admin_keys: Iterable[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_name: str | None = None,
+) -> FastAPI:
+    """An app serving `engine` (a `pagedkv.Engine` or anything with its API).
+
+    `model_name` is the id clients see (default: the engine's); requests may
+    also name the engine's own name, or leave `model` out.
+    """
+    state = ServerState(
+        engine=engine,
+        model_name=model_name or engine.model_name,
+        keys=KeyRing(api_keys, admin_keys),
+        metrics=ServerMetrics(engine.cache_stats, engine.num_active_requests),
+        vocab_size=_vocab_size(engine),
+    )
+    known_models = {state.model_name, engine.model_name}
+    app = FastAPI(title="pagedkv", version="0.1.0", strict_content_type=False)
+    app.state.pagedkv = state
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
+    _add_error_handlers(app)
+
+    def check_open(model: str | None) -> None:
+        if state.closing:
+            raise shutting_down()
+        if model is not None and model not in known_models:
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves "
+                f"{state.model_name!r} (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def generate(
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        ids: list[int],
+        tenant: Tenant,
+        arrived: float,
+    ) -> Response:
+        chat = isinstance(body, ChatCompletionRequest)
+        param = "messages" if chat else "prompt"
+        max_tokens = max_new_tokens(body, len(ids), engine.max_context, param)
+        if isinstance(body, ChatCompletionRequest):
+            logprobs = body.logprobs
+        else:
+            logprobs = body.logprobs is not None  # 0: the sampled token's logprob only
+        params = sampling_params(body, max_tokens, logprobs)
+        salt = tenant.cache_salt(body.cache_salt)
+        stream = body.stream
+        include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
+        options = Options(
+            kind="chat" if chat else "completion",
+            model=state.model_name,
+            include_usage=include_usage,
+            logprobs=logprobs,
+        )
+
+        def open_stream() -> Iterator[StreamEvent]:
+            return engine.stream(ids, params, cache_salt=salt)
+
+        gen = Generation(
+            open_stream,
+            options,
+            state.metrics,
+            arrived=arrived,
+            closing=lambda: state.closing,
+            on_close=state.generations.discard,
+        )
+        state.generations.add(gen)
+        await gen.start(request.receive)
+        if not stream:
+            return JSONResponse(await gen.response_body())
+        return StreamingResponse(
+            gen.sse(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    def health() -> Response:
+        if state.closing:
+            return shutting_down().response()
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": state.model_name,
+                "active_requests": engine.num_active_requests(),
+            }
+        )
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def list_models(tenant: TenantDep) -> Response:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "pagedkv",
+            "max_model_len": engine.max_context,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=STREAMS)
+    async def completions(request: Request, body: CompletionRequest, tenant: TenantDep) -> Response:
+        arrived = time.perf_counter()
+        check_open(body.model)
+        check_supported(body)
+        prompt = completion_prompt(body)
+        if isinstance(prompt, str):
+            ids = await _blocking(engine.tokenize, prompt, what="the tokenizer")
+        else:
+            check_token_ids(prompt, state.vocab_size, "prompt")
+            ids = prompt
+        return await generate(request, body, ids, tenant, arrived)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAMS)
+    async def chat_completions(
+        request: Request, body: ChatCompletionRequest, tenant: TenantDep
+    ) -> Response:
+        arrived = time.perf_counter()
+        check_open(body.model)
+        check_supported(body)
+        messages = chat_messages(body)
+        ids = await _blocking(engine.apply_chat_template, messages, what="the chat template")
+        return await generate(request, body, ids, tenant, arrived)
+
+    @app.get("/v1/cache/stats", responses=ERRORS)
+    async def cache_stats(tenant: TenantDep) -> Response:
+        stats = await to_thread.run_sync(engine.cache_stats)
+        return Response(json.dumps(stats, default=str), media_type="application/json")
+
+    @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})
+    async def cache_clear(tenant: TenantDep) -> Response:
+        if not tenant.is_admin:
+            raise APIError(403, "clearing the cache needs an admin key", code="admin_key_required")
+        if state.closing:
+            raise shutting_down()
+        await to_thread.run_sync(engine.clear_cache)
+        return JSONResponse({"cleared": True})
+
+    _document_errors(app)
+    return app
+
+
+def _document_errors(app: FastAPI) -> None:
+    """Drop FastAPI's default 422 from the schema: validation errors are 400s here."""
+    make_schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = make_schema()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+async def _blocking(fn: Any, arg: Any, *, what: str) -> list[int]:
+    """Run a tokenizer call on a thread; its refusals of the input are 400s."""
+    try:
+        return list(await to_thread.run_sync(fn, arg))
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise bad_request(f"{what} refused the input: {exc}") from exc
+    except Exception as exc:
+        if type(exc).__module__.startswith("jinja2"):  # the template's raise_exception()
+            raise bad_request(f"{what} refused the messages: {exc}", "messages") from exc
+        raise
+
+
+def _vocab_size(engine: Any) -> int | None:
+    """Token ids at or above this are refused before they reach the model."""
+    size = getattr(engine, "vocab_size", None)
+    if size is None:
+        config = getattr(getattr(getattr(engine, "adapter", None), "model", None), "config", None)
+        size = getattr(config, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _validation_error(request, exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route for {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return APIError(exc.status_code, message, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(
+            500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
+        ).response()
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        pos = loc[0] if loc else "?"
+        return bad_request(f"the body is not valid JSON: {detail} (at character {pos})")
+    if not loc and kind in ("model_attributes_type", "dict_type", "missing"):
+        ctype = request.headers.get("content-type", "")
+        if "json" not in ctype and ctype:
+            return bad_request(
+                f"the body must be a JSON object sent as application/json, not {ctype} "
+                "(with curl: -H 'Content-Type: application/json')"
+            )
+        return bad_request("the body must be a JSON object")
+    param = _param_name(loc)
+    message = str(first.get("msg", "invalid request"))
+    params = [_param_name([p for p in e.get("loc", ()) if p != "body"]) for e in errors]
+    if len(errors) > 1 and all(p == param for p in params):  # a union: say what each form lacks
+        message = "matches none of the accepted forms: " + "; ".join(
+            dict.fromkeys(str(e.get("msg")) for e in errors)
+        )
+    elif len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problems)"
+    return bad_request(f"{param}: {message}" if param else message, param or None)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _param_name(loc: list[Any]) -> str:
+    """pydantic's loc as a JSON path: ["messages", 0, "content"] -> messages[0].content."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part) in _TYPE_TAGS or "[" in str(part) or "-" in str(part):
+            continue  # union member tags such as "str", "list[int]", "function-after[...]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out

@@ -1,0 +1,391 @@
+"""One generation request: engine events pumped to the event loop, as JSON or SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from starlette.types import Receive
+
+from ..engine.request import GenerationResult, StreamEvent
+from .http_errors import APIError, from_engine_error
+from .metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["completion", "chat"]
+_END = object()
+
+
+class EventPump:
+    """Iterates a blocking engine stream on its own thread, handing events to the loop.
+
+    The engine's iterator is a generator: only the thread iterating it may
+    close it (closing it from another thread while it waits for a token raises
+    "generator already executing"). So `cancel()` only raises a flag, and the
+    pump thread closes the iterator, which cancels the request and releases
+    its blocks, as soon as the next event arrives: at most one decode step
+    later. Rejected: one `to_thread` hop per token, which costs a thread-pool
+    round trip per token and still cannot interrupt a waiting `next()`.
+    """
+
+    def __init__(self, open_stream: Callable[[], Iterator[StreamEvent]]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self._ended = False
+        self._events: Iterator[StreamEvent] | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(open_stream,), name="pagedkv-stream", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, open_stream: Callable[[], Iterator[StreamEvent]]) -> None:
+        events: Iterator[StreamEvent] | None = None
+        try:
+            events = self._events = open_stream()
+            if self._cancelled.is_set():
+                return
+            for event in events:
+                self._put(event)
+                if event.finished or self._cancelled.is_set():
+                    break
+        except BaseException as exc:  # handed to the request handler
+            self._put(exc)
+        finally:
+            close = getattr(events, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:
+                    log.exception("closing an engine stream failed")
+            self._put(_END)
+
+    def _put(self, item: object) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def next(self) -> StreamEvent | None:
+        """The next event; None once the stream has ended. Re-raises engine errors."""
+        if self._ended:
+            return None
+        item = await self._queue.get()
+        if item is _END:
+            self._ended = True
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, StreamEvent)
+        return item
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        # An engine iterator may offer a thread-safe `cancel()` that also reaches a request
+        # still waiting in the queue; plain generators are closed by the pump thread.
+        cancel = getattr(self._events, "cancel", None)
+        if callable(cancel):
+            cancel()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass(slots=True)
+class Options:
+    kind: Kind
+    model: str
+    include_usage: bool
+    logprobs: bool
+
+
+class Generation:
+    """Runs one request through the engine and renders it as the OpenAI API does.
+
+    Order: `start()` waits for the first event, so that a full queue or a
+    refused request still becomes a proper 429/400 before any header is sent;
+    then exactly one of `response_body()` or `sse()` is consumed. `close()`
+    (called by both and by the disconnect watcher; only the first call counts)
+    cancels the engine request if it is still running, records metrics and
+    calls `on_close`.
+    """
+
+    def __init__(
+        self,
+        open_stream: Callable[[], Iterator[StreamEvent]],
+        options: Options,
+        metrics: ServerMetrics,
+        *,
+        arrived: float,
+        closing: Callable[[], bool],
+        on_close: Callable[[Generation], None],
+    ) -> None:
+        self.options = options
+        self.metrics = metrics
+        self.arrived = arrived
+        self.closing = closing
+        self.on_close = on_close
+        self.id = ("chatcmpl-" if options.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self._open_stream = open_stream
+        self._pump: EventPump | None = None
+        self._first: StreamEvent | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._last_token_at: float | None = None
+        self._closed = False
+        self.result: GenerationResult | None = None
+        self.token_texts: list[str] = []
+        self.token_logprobs: list[float] = []
+
+    async def start(self, receive: Receive | None) -> None:
+        self.metrics.in_flight.inc()
+        self._pump = EventPump(self._open_stream)
+        if receive is not None:
+            self._watcher = asyncio.create_task(self._watch_disconnect(receive))
+        try:
+            self._first = await self._next()
+        except APIError:
+            self.close("rejected")
+            raise
+        except BaseException:
+            self.close("error")
+            raise
+
+    async def _watch_disconnect(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if self.result is None:
+                    log.info("%s: the client went away; cancelling the request", self.id)
+                # Also when the response never starts streaming, and so never closes it.
+                self.close("disconnected")
+                return
+
+    def cancel(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+
+    async def _next(self) -> StreamEvent | None:
+        assert self._pump is not None
+        try:
+            event = await self._pump.next()
+        except Exception as exc:
+            api_error = from_engine_error(exc, closing=self.closing())
+            if api_error is None:
+                raise
+            raise api_error from exc
+        if event is None:
+            return None
+        now = time.perf_counter()
+        if event.token_ids:
+            if self._last_token_at is None:
+                self.metrics.ttft.observe(now - self.arrived)
+            else:
+                self.metrics.itl.observe(now - self._last_token_at)
+            self._last_token_at = now
+        if self.options.logprobs and event.token_ids:
+            # A token's text is its event's delta: the engine has no per-token text, and
+            # holds text back while a stop string may still match, so near a stop string
+            # a token can show "" and a later one the text of both.
+            lps = event.logprobs or [0.0] * len(event.token_ids)
+            self.token_texts.extend([event.text] + [""] * (len(event.token_ids) - 1))
+            self.token_logprobs.extend(lps)
+        if event.finished:
+            self.result = event.result
+        return event
+
+    def _events(self) -> AsyncIterator[StreamEvent]:
+        async def gen() -> AsyncIterator[StreamEvent]:
+            event = self._first
+            while event is not None:
+                yield event
+                if event.finished:
+                    return
+                event = await self._next()
+
+        return gen()
+
+    def close(self, outcome: str = "cancelled") -> None:
+        """Stop the engine request if it still runs; `outcome` labels a request without result."""
+        if self._closed:
+            return
+        self._closed = True
+        self.on_close(self)
+        self.metrics.in_flight.dec()
+        if self._watcher is not None and self._watcher is not asyncio.current_task():
+            self._watcher.cancel()
+        if self.result is None:
+            self.cancel()
+            self.metrics.finished.labels(outcome).inc()
+        else:
+            r = self.result
+            self.metrics.observe_result(
+                prompt_tokens=r.prompt_tokens,
+                cached_tokens=r.cached_tokens,
+                completion_tokens=len(r.token_ids),
+                finish_reason=r.finish_reason,
+            )
+
+    # -- non-streaming ------------------------------------------------------
+
+    async def response_body(self) -> dict[str, Any]:
+        try:
+            async for _ in self._events():
+                pass
+        except APIError as exc:
+            self.close("rejected" if exc.status < 500 else "cancelled")
+            raise
+        except Exception:
+            self.close("error")
+            raise
+        finally:
+            self.close()
+        if self.result is None:
+            raise APIError(
+                503,
+                "the request was cancelled before it finished (the server is shutting down)",
+                code="request_cancelled",
+                headers={"Retry-After": "1"},
+            )
+        r = self.result
+        o = self.options
+        body: dict[str, Any] = {
+            "id": self.id,
+            "created": self.created,
+            "model": o.model,
+            "usage": usage(r),
+            "system_fingerprint": None,
+        }
+        finish = _finish_reason(r)
+        if o.kind == "chat":
+            body["object"] = "chat.completion"
+            body["choices"] = [
+                {
+                    "index": 0,
+                    "finish_reason": finish,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": self._chat_logprobs(0),
+                }
+            ]
+        else:
+            body["object"] = "text_completion"
+            body["choices"] = [
+                {
+                    "index": 0,
+                    "text": r.text,
+                    "finish_reason": finish,
+                    "logprobs": self._completion_logprobs(0, 0),
+                }
+            ]
+        return body
+
+    # -- streaming ----------------------------------------------------------
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        o = self.options
+        try:
+            if o.kind == "chat":
+                yield self._chunk({"role": "assistant", "content": ""}, None, None)
+            sent_tokens = 0
+            text_offset = 0
+            async for event in self._events():
+                if not event.text and not (o.logprobs and event.token_ids):
+                    continue
+                if o.kind == "chat":
+                    lp = self._chat_logprobs(sent_tokens)
+                    yield self._chunk({"content": event.text}, None, lp)
+                else:
+                    lp = self._completion_logprobs(sent_tokens, text_offset)
+                    yield self._chunk(event.text, None, lp)
+                sent_tokens = len(self.token_texts)
+                text_offset += len(event.text)
+            if self.result is None:
+                raise APIError(
+                    503,
+                    "the request was cancelled before it finished (the server is shutting down)",
+                    code="request_cancelled",
+                )
+            finish = _finish_reason(self.result)
+            yield self._chunk({} if o.kind == "chat" else "", finish, None)
+            if o.include_usage:
+                yield _sse({**self._chunk_head(), "choices": [], "usage": usage(self.result)})
+        except APIError as exc:
+            self.close("rejected" if exc.status < 500 else "cancelled")
+            yield _sse(exc.body())
+        except Exception as exc:  # headers are sent: the error travels in the stream
+            log.exception("%s: stream failed", self.id)
+            self.close("error")
+            yield _sse(APIError(500, f"internal error: {type(exc).__name__}").body())
+        finally:
+            self.close()
+        yield b"data: [DONE]\n\n"
+
+    def _chunk_head(self) -> dict[str, Any]:
+        o = self.options
+        obj = "chat.completion.chunk" if o.kind == "chat" else "text_completion"
+        head: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": o.model,
+        }
+        if o.include_usage:
+            head["usage"] = None
+        return head
+
+    def _chunk(self, delta: dict[str, str] | str, finish: str | None, lp: Any) -> bytes:
+        if isinstance(delta, dict):
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
+        return _sse({**self._chunk_head(), "choices": [choice]})
+
+    def _chat_logprobs(self, start: int) -> dict[str, Any] | None:
+        if not self.options.logprobs:
+            return None
+        return {
+            "content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(self.token_texts[start:], self.token_logprobs[start:], strict=True)
+            ]
+        }
+
+    def _completion_logprobs(self, start: int, offset: int) -> dict[str, Any] | None:
+        if not self.options.logprobs:
+            return None
+        texts = self.token_texts[start:]
+        offsets = []
+        for t in texts:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": texts,
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": None,
+            "text_offset": offsets,
+        }
+
+
+def usage(result: GenerationResult) -> dict[str, Any]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.token_ids),
+        "total_tokens": result.prompt_tokens + len(result.token_ids),
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+    }
+
+
+def _finish_reason(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

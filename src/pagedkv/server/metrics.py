@@ -1,0 +1,185 @@
+"""Prometheus metrics for one server app.
+
+Every app gets its own `CollectorRegistry`: two apps in one process (tests,
+an embedding application) must not share or clash over the global registry.
+Request-level series are updated as requests finish; cache and pool series are
+read from `engine.cache_stats()` at scrape time by a custom collector, so they
+are never stale and cost nothing between scrapes. Totals the engine keeps
+(tier hits, bytes written, dropped writes) are exported as counters, levels
+(bytes used, allocated blocks) as gauges.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# TierStats fields that only grow, and those that go up and down.
+_TIER_TOTALS = (
+    "hits",
+    "misses",
+    "bytes_read",
+    "bytes_written",
+    "blocks_written",
+    "writes_dropped",
+    "corrupt",
+    "errors",
+)
+_TIER_LEVELS = ("num_blocks", "bytes_used", "capacity_bytes")
+_POOL_TOTALS = ("query_tokens", "hit_tokens", "evictions", "cow_copies")
+_POOL_STATES = ("allocated", "free", "cached", "shared")
+_POOL_SIZES = ("num_blocks", "max_blocks")
+
+
+class ServerMetrics:
+    """The series one app exports; `render()` is the body of GET /metrics."""
+
+    def __init__(
+        self, cache_stats: Callable[[], Mapping[str, Any]], active_requests: Callable[[], int]
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pagedkv_http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pagedkv_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.cached_tokens = Counter(
+            "pagedkv_cached_prompt_tokens", "Prompt tokens whose KV came from the cache", registry=r
+        )
+        self.generated_tokens = Counter("pagedkv_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter(
+            "pagedkv_requests_finished",
+            "Generation requests by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pagedkv_time_to_first_token_seconds",
+            "From request arrival to the first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pagedkv_inter_token_latency_seconds",
+            "Time between consecutive streamed tokens",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pagedkv_requests_in_flight", "Requests the server is generating for now", registry=r
+        )
+        r.register(_CacheCollector(cache_stats, active_requests))
+
+    def observe_result(
+        self, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int, finish_reason: str
+    ) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
+        self.generated_tokens.inc(completion_tokens)
+        self.finished.labels(finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _CacheCollector(Collector):
+    """Reads the engine's cache statistics at scrape time."""
+
+    def __init__(
+        self, cache_stats: Callable[[], Mapping[str, Any]], active_requests: Callable[[], int]
+    ) -> None:
+        self._cache_stats = cache_stats
+        self._active_requests = active_requests
+
+    def describe(self) -> list[Metric]:
+        return []  # unknown until the engine is asked; keeps registration side-effect free
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._cache_stats()
+            active = self._active_requests()
+        except Exception:  # a failing engine must not take /metrics down with it
+            log.exception("reading cache statistics for /metrics failed")
+            return
+        yield GaugeMetricFamily(
+            "pagedkv_engine_active_requests",
+            "Requests queued or running in the engine",
+            value=active,
+        )
+        yield from _tier_metrics(stats.get("tiers"))
+        yield from _pool_metrics(stats.get("pool"))
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _tier_metrics(tiers: Any) -> Iterator[Metric]:
+    if not isinstance(tiers, Mapping):
+        return
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+    for field in _TIER_TOTALS:
+        families[field] = CounterMetricFamily(
+            f"pagedkv_cache_tier_{field}",
+            f"Cache tier {field} since it was opened",
+            labels=["tier"],
+        )
+    for field in _TIER_LEVELS:
+        families[field] = GaugeMetricFamily(
+            f"pagedkv_cache_tier_{field}", f"Cache tier {field} now", labels=["tier"]
+        )
+    for tier, fields in tiers.items():
+        if not isinstance(fields, Mapping):
+            continue  # tier not configured
+        for field, family in families.items():
+            value = _number(fields.get(field))
+            if value is not None:
+                family.add_metric([str(tier)], value)
+    yield from families.values()
+
+
+def _pool_metrics(pool: Any) -> Iterator[Metric]:
+    if not isinstance(pool, Mapping):
+        return
+    blocks = GaugeMetricFamily(
+        "pagedkv_pool_blocks", "Block pool blocks by state", labels=["state"]
+    )
+    for field in _POOL_STATES:
+        value = _number(pool.get(field))
+        if value is not None:
+            blocks.add_metric([field], value)
+    yield blocks
+    for field in _POOL_SIZES:
+        value = _number(pool.get(field))
+        if value is not None:
+            yield GaugeMetricFamily(f"pagedkv_pool_{field}", f"Block pool {field}", value=value)
+    for field in _POOL_TOTALS:
+        value = _number(pool.get(field))
+        if value is not None:
+            yield CounterMetricFamily(
+                f"pagedkv_pool_{field}", f"Block pool {field} total", value=value
+            )
+    rate = _number(pool.get("hit_rate"))
+    if rate is not None:
+        yield GaugeMetricFamily(
+            "pagedkv_pool_hit_rate",
+            "Prompt tokens served from the cache / tokens looked up",
+            value=rate,
+        )

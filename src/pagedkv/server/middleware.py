@@ -1,0 +1,137 @@
+"""ASGI middleware: the request body limit and per-endpoint request counts."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .http_errors import APIError
+from .metrics import ServerMetrics
+
+KNOWN_PATHS = frozenset(
+    {
+        "/health",
+        "/metrics",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/cache/stats",
+        "/v1/cache/clear",
+    }
+)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `max_body_bytes`, by Content-Length or by what arrives.
+
+    The body is read in full before the app sees it (FastAPI would buffer it
+    anyway), so an oversized chunked body is caught too. On overflow the rest
+    is read and dropped, up to a bound, before the 413 goes out: a client
+    still writing its body would otherwise see a reset connection instead of
+    the answer.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.drain_bytes = max(4 * max_body_bytes, 16 * 1024 * 1024)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_body_bytes
+        declared = _content_length(scope)
+        if declared == -1:
+            await _send_error(send, APIError(400, "the Content-Length header is not a number"))
+            return
+        too_large = declared is not None and declared > limit
+        chunks: list[bytes] = []
+        received = 0
+        more = True
+        disconnected = False
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                disconnected = True
+                break
+            body = message.get("body", b"")
+            received += len(body)
+            more = message.get("more_body", False)
+            if received > limit:
+                too_large = True
+            if too_large:
+                if received > self.drain_bytes:
+                    break
+                continue
+            chunks.append(body)
+        if disconnected:
+            return
+        if too_large:
+            size = max(received, declared or 0)
+            await _send_error(
+                send,
+                APIError(
+                    413,
+                    f"the request body has at least {size} bytes; the limit is {limit} bytes",
+                    code="body_too_large",
+                ),
+            )
+            return
+        replay: list[Message] = [
+            {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        ]
+
+        async def replay_receive() -> Message:
+            if replay:
+                return replay.pop()
+            return await receive()
+
+        await self.app(scope, replay_receive, send)
+
+
+class RequestMetricsMiddleware:
+    """Counts responses by endpoint (unknown paths pooled as "other") and status."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(path, str(status)).inc()
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The declared length; None when absent, -1 when unreadable."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                n = int(value)
+            except ValueError:
+                return -1
+            return n if n >= 0 else -1
+    return None
+
+
+async def _send_error(send: Send, error: APIError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,183 @@
+"""From a validated OpenAI request to what the engine takes: prompt and SamplingParams.
+
+Everything here is pure and raises `APIError(400)` naming the offending field;
+the app does the blocking parts (tokenizing, the chat template) on a thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..engine.sampling import SamplingParams
+from .http_errors import APIError, bad_request
+from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; clients wanting greedy send 0
+# top_p below this is greedy. OpenAI clients send 0 for "most likely token only", and the
+# sampler compares in float32, where values under ~1e-38 become 0 and drop every token.
+MIN_TOP_P = 1e-6
+MIN_TEMPERATURE = 1e-5  # below this is greedy too: logits / 1e-300 overflow to inf
+
+
+def check_supported(body: _SamplingRequest) -> None:
+    """Refuse fields the schema accepts but this server cannot honour."""
+    if body.n != 1:
+        raise bad_request(
+            f"n={body.n} is not supported: this server returns one choice per "
+            "request; send n=1 and repeat the request",
+            "n",
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise bad_request(f"{name} is not supported; send 0 or leave it out", name)
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported; leave it out", "logit_bias")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise bad_request("echo is not supported", "echo")
+        if body.suffix:
+            raise bad_request("suffix (insertion) is not supported", "suffix")
+        if body.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported", "best_of")
+        if body.logprobs:
+            raise bad_request(
+                "only the sampled token's logprob is available: send logprobs=0", "logprobs"
+            )
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs:
+            raise bad_request(
+                "top_logprobs > 0 is not supported: only the sampled token's logprob is available",
+                "top_logprobs",
+            )
+        if body.tools:
+            raise bad_request("tools (function calling) are not supported", "tools")
+        kind = (body.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise bad_request(
+                f"response_format type {kind!r} is not supported; only 'text'", "response_format"
+            )
+
+
+def completion_prompt(body: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completion request. Batches of several are refused."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    if len(prompt) > 1:
+        raise bad_request(
+            f"batched prompts are not supported (got {len(prompt)}): send one "
+            "prompt per request; concurrent requests are batched by the engine",
+            "prompt",
+        )
+    if not prompt:
+        raise bad_request("the prompt is empty", "prompt")
+    only = prompt[0]
+    if isinstance(only, str):
+        return only
+    if isinstance(only, list):
+        return list(only)
+    raise bad_request("the prompt must be a string or a list of token ids", "prompt")
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: role and plain-text content."""
+    out = []
+    for i, msg in enumerate(body.messages):
+        if msg.role in ("tool", "function"):
+            raise bad_request(
+                f"messages[{i}]: role {msg.role!r} is not supported (no tool calling)",
+                f"messages[{i}].role",
+            )
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                param = f"messages[{i}].content[{j}]"
+                if part.type != "text":
+                    raise bad_request(
+                        f"{param}: content parts of type {part.type!r} are not "
+                        "supported; only 'text'",
+                        f"{param}.type",
+                    )
+                if part.text is None:
+                    raise bad_request(f"{param}: a text part needs 'text'", f"{param}.text")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        if content is None:
+            if msg.role != "assistant":
+                raise bad_request(
+                    f"messages[{i}]: content is required for role {msg.role!r}",
+                    f"messages[{i}].content",
+                )
+            content = ""
+        role = "system" if msg.role == "developer" else msg.role
+        out.append({"role": role, "content": content})
+    return out
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> None:
+    if vocab_size is None:
+        return
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise bad_request(
+                f"token id {t} at position {i} is outside the model's vocabulary "
+                f"(0..{vocab_size - 1})",
+                param,
+            )
+
+
+def max_new_tokens(body: _SamplingRequest, num_prompt: int, max_context: int, param: str) -> int:
+    """max_tokens checked against the context; when not given, all the context left."""
+    asked = body.max_tokens
+    asked_param = "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        asked, asked_param = body.max_completion_tokens, "max_completion_tokens"
+    if num_prompt == 0:
+        raise bad_request("the prompt is empty", param)
+    if num_prompt >= max_context:
+        raise APIError(
+            400,
+            f"the prompt has {num_prompt} tokens but the model's context is "
+            f"{max_context} tokens, which leaves no room to generate; shorten the "
+            "prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+    room = max_context - num_prompt
+    if asked is None:
+        return room
+    if asked > room:
+        raise APIError(
+            400,
+            f"the prompt has {num_prompt} tokens and {asked_param}={asked}: "
+            f"{num_prompt + asked} tokens exceed the model's context of {max_context} "
+            f"tokens; lower {asked_param} to at most {room} or shorten the prompt",
+            param=asked_param,
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
+    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p < MIN_TOP_P or temperature < MIN_TEMPERATURE:
+        temperature, top_p = 0.0, 1.0  # a nucleus this small holds only the top token
+    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=body.seed,
+            stop=stop,
+            logprobs=logprobs,
+            ignore_eos=body.ignore_eos,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc

@@ -1,0 +1,231 @@
+"""OpenAI wire format: request and response models for the server.
+
+Requests are validated strictly (no "5" for 5, no 1.5 for an int) and unknown
+fields are ignored, as most OpenAI-compatible servers do, so clients that send
+newer fields keep working. Fields this server cannot honour (n > 1, penalties,
+tools, image parts, top alternatives for logprobs) are parsed and refused by
+the app with a 400 that names the field and says why, rather than silently
+dropped; the OpenAPI schema documents only the values that are served.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+
+
+def _encodable(text: str) -> str:
+    # Lone surrogates ("\ud800") survive JSON decoding but not the tokenizer.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode: {exc.reason} at {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+StopText = Annotated[Text, Field(min_length=1, max_length=1000)]
+
+
+def _ONLY(value: int) -> dict[str, Any]:
+    """Schema bounds for a field whose other values are refused with a clear 400 by the app."""
+    return {"minimum": value, "maximum": value}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 turns it off")
+    seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
+    stop: StopText | list[StopText] | None = Field(None, max_length=16)
+    n: int = Field(1, ge=1, description="only 1 is supported", json_schema_extra=_ONLY(1))
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, json_schema_extra=_ONLY(0))
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, json_schema_extra=_ONLY(0))
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    user: str | None = None
+    ignore_eos: bool = Field(False, description="extension; generate max_tokens tokens")
+    cache_salt: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="extension; isolates this request's cached prefixes further",
+    )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=5, json_schema_extra=_ONLY(0))
+    echo: bool = Field(False, json_schema_extra={"enum": [False]})
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
+    best_of: int | None = Field(None, ge=1, json_schema_extra=_ONLY(1))
+
+
+class TextPart(_Request):
+    # The schema documents what is served; other part types get a 400 that names them.
+    model_config = ConfigDict(json_schema_extra={"required": ["type", "text"]})
+
+    type: str = Field(json_schema_extra={"enum": ["text"]})
+    text: Text | None = None
+
+
+class ChatMessage(_Request):
+    model_config = ConfigDict(json_schema_extra={"required": ["role", "content"]})
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"] = Field(
+        json_schema_extra={"enum": ["system", "developer", "user", "assistant"]}
+    )
+    content: Text | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20, json_schema_extra=_ONLY(0))
+    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
+    response_format: dict[str, Any] | None = Field(
+        None,
+        json_schema_extra={"properties": {"type": {"enum": ["text"]}}},
+    )
+
+
+# -- responses ---------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedkv"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class HealthResponse(BaseModel):
+    status: str
+    model: str
+    active_requests: int

@@ -1,0 +1,220 @@
+"""Run the app under uvicorn, with a shutdown that finishes or cancels work and flushes the cache.
+
+Shutdown on SIGTERM or SIGINT, in order: stop accepting connections and
+answer new requests on open ones with 503; give in-flight requests
+`drain_timeout` seconds to finish, then cancel the rest (a stream ends with an
+error event and `[DONE]`, its blocks are released); then `engine.close()`
+flushes queued cache writes within `close_timeout`. The defaults keep the whole
+sequence under 20 s, the usual grace period before a SIGKILL. A second SIGINT
+skips the waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from .app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
+
+log = logging.getLogger(__name__)
+
+
+def run_server(
+    engine: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_keys: Iterable[str] = (),
+    admin_keys: Iterable[str] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_name: str | None = None,
+    log_level: str = "info",
+    access_log: bool = True,
+    drain_timeout: float = 5.0,
+    close_timeout: float = 10.0,
+) -> int:
+    """Serve `engine` until SIGTERM/SIGINT, then close it; returns the exit status (0).
+
+    `port=0` picks a free port; the URL is logged either way. The engine is
+    closed on return, also when the server fails to start.
+    """
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    log.setLevel(log_level.upper())
+    try:
+        api_keys = list(api_keys)
+        admin_keys = None if admin_keys is None else list(admin_keys)
+        app = create_app(
+            engine,
+            api_keys=api_keys,
+            admin_keys=admin_keys,
+            max_body_bytes=max_body_bytes,
+            model_name=model_name,
+        )
+        state: ServerState = app.state.pagedkv
+        sock = _bind(host, port)
+        url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            app,
+            log_level=log_level,
+            access_log=access_log,
+            lifespan="off",
+            timeout_graceful_shutdown=int(drain_timeout) + 2,
+        )
+        server = _Server(config, state, drain_timeout)
+        _log_startup(engine, state, url, api_keys, admin_keys)
+        server.run(sockets=[sock])
+    finally:
+        started = time.monotonic()
+        log.info("closing the engine (flushing cache writes, up to %.0f s)", close_timeout)
+        engine.close(timeout=close_timeout)
+        log.info("engine closed in %.1f s", time.monotonic() - started)
+    return 0
+
+
+def load_api_keys(path: str | Path) -> list[str]:
+    """Keys from a file, one per line; blank lines and lines starting with '#' are skipped."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot read the API keys file {path}: {exc.strerror}") from exc
+    if path.stat().st_mode & 0o077:
+        log.warning("the API keys file %s is readable by other users; chmod 600 it", path)
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:
+        raise ValueError(f"the API keys file {path} holds no keys (one key per line)")
+    return keys
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with pagedkv's drain-then-cancel shutdown.
+
+    uvicorn re-raises the captured signal once it has shut down, which would
+    kill the process before the engine is closed and turn a clean exit into
+    "terminated by SIGTERM"; `handle_exit` therefore does not record it.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.state.closing = True
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.closing = True
+        n = len(self.state.generations)
+        log.info("shutting down: %d requests in flight get %.0f s to finish", n, self.drain_timeout)
+        canceller = asyncio.create_task(self._cancel_after(self.drain_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            canceller.cancel()
+
+    async def _cancel_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        n = self.state.cancel_all()
+        if n:
+            log.warning("cancelled %d requests still running after %.0f s", n, delay)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port"
+        ) from exc
+    sock.listen(2048)  # connect()s made from now on wait in the backlog until uvicorn accepts
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _log_startup(
+    engine: Any,
+    state: ServerState,
+    url: str,
+    api_keys: list[str],
+    admin_keys: list[str] | None,
+) -> None:
+    log.info("model %s (context %d tokens)", state.model_name, engine.max_context)
+    try:
+        stats = engine.cache_stats()
+    except Exception:
+        log.exception("reading cache statistics failed")
+        stats = {}
+    for line in _cache_lines(stats):
+        log.info("cache: %s", line)
+    if state.keys.enabled:
+        num_keys = len(set(api_keys) | set(admin_keys or []))
+        num_admins = num_keys if admin_keys is None else len(set(admin_keys))
+        log.info("API keys: %d (%d may clear the cache)", num_keys, num_admins)
+    else:
+        log.info("no API keys: anyone who can reach %s can use the server", url)
+    auth = " -H 'Authorization: Bearer <your key>'" if state.keys.enabled else ""
+    log.info("serving on %s", url)
+    log.info(
+        "try: curl %s/v1/chat/completions -H 'Content-Type: application/json'%s -d "
+        '\'{"model": "%s", "messages": [{"role": "user", "content": "Hello!"}]}\'',
+        url,
+        auth,
+        state.model_name,
+    )
+
+
+def _cache_lines(stats: Mapping[str, Any]) -> list[str]:
+    lines = []
+    pool = stats.get("pool")
+    if isinstance(pool, Mapping) and "max_blocks" in pool:
+        lines.append(f"block pool of up to {pool['max_blocks']} blocks")
+    tiers = stats.get("tiers")
+    if isinstance(tiers, Mapping):
+        for name, tier in tiers.items():
+            if not isinstance(tier, Mapping):
+                continue
+            size = _gib(tier.get("capacity_bytes"))
+            used = _gib(tier.get("bytes_used"))
+            where = (
+                tier.get("extra", {}).get("path")
+                if isinstance(tier.get("extra"), Mapping)
+                else None
+            )
+            lines.append(f"tier {name}: {used} used of {size}" + (f" at {where}" if where else ""))
+    if not lines:
+        lines.append(
+            "prefix caching is off" if stats.get("prefix_caching") is False else "no tiers"
+        )
+    return lines
+
+
+def _gib(value: Any) -> str:
+    if not isinstance(value, int | float):
+        return "?"
+    return f"{value / 1024**3:.2f} GiB" if value >= 1024**3 else f"{value / 1024**2:.1f} MiB"

@@ -1,0 +1,224 @@
+"""A deterministic stand-in for `pagedkv.Engine`, for in-process app tests.
+
+Tokens are UTF-8 bytes + 1 (0 is reserved), generation emits letters chosen
+from the prompt (greedy) or a seeded RNG (sampling), and prefix caching is
+modelled per cache salt in blocks of `block_size` tokens, so the app's
+bookkeeping (usage, salts, block release on cancel, overload) is observable
+without a model.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pagedkv.engine.request import GenerationResult, StreamEvent
+from pagedkv.engine.sampling import SamplingParams
+from pagedkv.errors import EngineOverloadedError, PagedKVError
+
+EOS = 300
+
+
+class FakeEngine:
+    model_name = "fake-model"
+    vocab_size = 301
+
+    def __init__(
+        self,
+        *,
+        max_context: int = 256,
+        max_queue: int = 64,
+        token_delay: float = 0.0,
+        block_size: int = 4,
+        eos_after: int | None = None,
+    ) -> None:
+        self.max_context = max_context
+        self.max_queue = max_queue
+        self.token_delay = token_delay
+        self.block_size = block_size
+        self.eos_after = eos_after
+        self.lock = threading.Lock()
+        self.active = 0
+        self.allocated = 0
+        self.closed = False
+        self.cleared = 0
+        self.cache: dict[str | None, list[tuple[int, ...]]] = {}
+        self.hits = 0
+        self.calls: list[dict[str, Any]] = []  # what each stream() call got
+
+    # -- tokenizer ----------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return [b + 1 for b in text.encode()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(t - 1 for t in ids if 0 < t <= 256).decode(errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return self.tokenize(text + "<assistant>")
+
+    # -- generation ---------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> GenerationResult:
+        for event in self.stream(prompt, params, cache_salt=cache_salt):
+            if event.finished:
+                assert event.result is not None
+                return event.result
+        raise AssertionError("no result")
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Iterator[StreamEvent]:
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        params = params or SamplingParams()
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise ValueError("prompt too long")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise AssertionError(f"the app let an out-of-vocabulary token through: {ids}")
+        with self.lock:
+            if self.closed:
+                raise PagedKVError("the engine is closed")
+            if self.active >= self.max_queue:
+                raise EngineOverloadedError(self.active, self.max_queue)
+            self.active += 1
+            self.calls.append({"ids": ids, "params": params, "cache_salt": cache_salt})
+        return self._run(ids, params, cache_salt)
+
+    def _run(
+        self, ids: list[int], params: SamplingParams, salt: str | None
+    ) -> Iterator[StreamEvent]:
+        start = time.perf_counter()
+        bs = self.block_size
+        blocks = -(-len(ids) // bs)
+        cached = self._match(ids, salt)
+        with self.lock:
+            self.allocated += blocks
+        rng = random.Random(params.seed) if params.temperature > 0 else None
+        out: list[int] = []
+        text = ""
+        reason = "cancelled"
+        ttft = 0.0
+        try:
+            max_tokens = min(params.max_tokens, self.max_context - len(ids))
+            while True:
+                if self.token_delay:
+                    time.sleep(self.token_delay)
+                i = len(out)
+                if self.eos_after is not None and i == self.eos_after:
+                    reason = "stop"
+                    break
+                letter = rng.randrange(26) if rng else (sum(ids) + i) % 26
+                token = ord("a") + letter + 1
+                out.append(token)
+                if i == 0:
+                    ttft = time.perf_counter() - start
+                piece = chr(ord("a") + letter)
+                text += piece
+                hit = next((s for s in params.stop if s in text), None)
+                if hit is not None:
+                    text = text[: text.index(hit)]
+                    reason = "stop"
+                    yield StreamEvent([token], "", logprobs=[-0.5] if params.logprobs else None)
+                    break
+                lp = [-0.25 * (i % 4)] if params.logprobs else None
+                yield StreamEvent([token], piece, logprobs=lp)
+                if len(out) >= max_tokens:
+                    reason = "length"
+                    break
+            result = GenerationResult(
+                text=text,
+                token_ids=out,
+                prompt_tokens=len(ids),
+                cached_tokens=cached,
+                ttft_s=ttft,
+                finish_reason=reason,
+                total_s=time.perf_counter() - start,
+                logprobs=None,
+            )
+            yield StreamEvent([], "", finished=True, result=result)
+        finally:
+            with self.lock:
+                self.allocated -= blocks
+                self.active -= 1
+                if reason != "cancelled":
+                    self.cache.setdefault(salt, []).append(tuple(ids))
+
+    def _match(self, ids: list[int], salt: str | None) -> int:
+        best = 0
+        with self.lock:
+            for seen in self.cache.get(salt, []):
+                n = 0
+                while n < min(len(seen), len(ids) - 1) and seen[n] == ids[n]:
+                    n += 1
+                best = max(best, n - n % self.block_size)
+            if best:
+                self.hits += 1
+        return best
+
+    # -- cache --------------------------------------------------------------
+
+    def num_active_requests(self) -> int:
+        return self.active
+
+    def cache_stats(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "pool": {
+                    "num_blocks": 64,
+                    "max_blocks": 64,
+                    "allocated": self.allocated,
+                    "free": 64 - self.allocated,
+                    "cached": 0,
+                    "shared": 0,
+                    "query_tokens": 0,
+                    "hit_tokens": 0,
+                    "hit_rate": 0.5,
+                    "evictions": 0,
+                    "cow_copies": 0,
+                },
+                "tiers": {
+                    "ram": {
+                        "name": "ram",
+                        "hits": self.hits,
+                        "misses": 1,
+                        "bytes_used": 1024,
+                        "capacity_bytes": 1 << 20,
+                        "writes_dropped": 0,
+                    },
+                    "ssd": {
+                        "name": "ssd",
+                        "hits": 0,
+                        "misses": 0,
+                        "writes_dropped": 3,
+                        "bytes_used": 0,
+                        "capacity_bytes": 1 << 30,
+                    },
+                    "redis": None,
+                },
+                "requests": {"active": self.active},
+            }
+
+    def clear_cache(self) -> None:
+        with self.lock:
+            self.cache.clear()
+            self.cleared += 1
+
+    def close(self, timeout: float = 20.0) -> None:
+        with self.lock:
+            self.closed = True
