@@ -109,7 +109,11 @@ def _load_engine(args: argparse.Namespace) -> Any:
     from .engine import Engine
 
     return Engine.from_pretrained(
-        args.model, cache=cache_config_from_args(args), device=args.device, dtype=args.dtype
+        args.model,
+        cache=cache_config_from_args(args),
+        device=args.device,
+        dtype=args.dtype,
+        max_queue=getattr(args, "max_queue", 64),
     )
 
 
@@ -149,7 +153,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_keys_file:
         keys += load_api_keys(args.api_keys_file)
     engine = _load_engine(args)
-    return run_server(engine, host=args.host, port=args.port, api_keys=keys)
+    return run_server(
+        engine,
+        host=args.host,
+        port=args.port,
+        api_keys=keys,
+        admin_keys=args.admin_key or None,
+        log_level=args.log_level,
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -208,6 +219,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--api-keys-file", default=_env("--api-keys-file"), help="file with one API key per line"
+    )
+    serve.add_argument(
+        "--admin-key",
+        action="append",
+        default=[k for k in str(_env("--admin-key", "")).split(",") if k],
+        help="a key that may also clear the cache (repeatable; default: every key)",
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=int(_env("--max-queue", 64)),
+        help="requests queued or running before new ones get 429 (default 64)",
     )
     serve.set_defaults(func=cmd_serve)
 
