@@ -56,3 +56,14 @@ def test_capacity_is_bounded() -> None:
         store.ensure_capacity(11)
     with pytest.raises(ValueError, match="do not fill"):
         store.scatter([1], torch.randn(3, 2, 2, 9, 4))
+
+
+def test_reused_buffer_gives_the_same_kv() -> None:
+    store = RamBlockStore(LAYOUT, max_slots=40)
+    store.ensure_capacity(40)
+    kv = torch.randn(3, 2, 2, 6 * 8, 4)
+    store.scatter([1, 2, 3, 20, 33, 34], kv)
+    big = store.gather([1, 2, 3, 20, 33, 34], reuse_buffer=True).clone()
+    assert torch.equal(big, kv)
+    small = store.gather([33, 1], reuse_buffer=True)  # the buffer shrinks in place
+    assert torch.equal(small, torch.cat([kv[:, :, :, 32:40], kv[:, :, :, :8]], dim=3))

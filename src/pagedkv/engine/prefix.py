@@ -110,7 +110,7 @@ class PrefixCache:
         kv = None
         if total > 0:
             nblocks = -(-total // bs)
-            kv = self.ram.gather(slots[:nblocks])[:, :, :, :total]
+            kv = self.ram.gather(slots[:nblocks], reuse_buffer=True)[:, :, :, :total]
         if held_partial is not None:
             self.pool.free([held_partial])
         return lease, Reuse(total, kv)
