@@ -315,8 +315,6 @@ class Engine:
                 if start + PREFILL_CHUNK < len(prompt):
                     yield
             assert logits is not None
-            if prefix is not None and lease is not None:
-                prefix.store(lease, prompt, self._kv_source(cache), tail=False)
             decoder = _Decoder(adapter, params, ignore=set(adapter.eos_token_ids))
             sampler = Sampler(params)
             for step in itertools.count():
@@ -331,10 +329,13 @@ class Engine:
                 if done is not None:
                     reason = done
                     delta += decoder.flush()
-                if delta or done is None:
-                    req.events.put(
-                        StreamEvent([token], delta, logprobs=[lp] if params.logprobs else None)
-                    )
+                req.events.put(
+                    StreamEvent([token], delta, logprobs=[lp] if params.logprobs else None)
+                )
+                if step == 0 and prefix is not None and lease is not None:
+                    # After the first token, not before: nothing here is needed for it.
+                    prefix.promote(lease, reuse, prompt)
+                    prefix.store(lease, prompt, self._kv_source(cache), tail=False)
                 if done is not None:
                     break
                 yield

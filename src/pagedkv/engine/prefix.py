@@ -20,7 +20,7 @@ from ..hashing import BlockHasher, ExtraKeys
 from ..pool import Block, BlockPool
 from ..storage.base import BlockMeta, KVBlock
 from ..storage.ram import RamBlockStore
-from ..storage.tiered import LowerTiers
+from ..storage.tiered import Found, LowerTiers
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,18 @@ class Lease:
 
 @dataclass
 class Reuse:
-    """What a lookup restored: `num_tokens` tokens of KV, `[L, 2, H, num_tokens, D]`."""
+    """What a lookup restored: `num_tokens` tokens of KV, `[L, 2, H, num_tokens, D]`.
+
+    `promote` holds the blocks that came from a lower tier, in order, with the
+    tier each came from; `promote_tail` a partial block from a lower tier. They
+    go into RAM in `PrefixCache.promote`, after the first token: copying them
+    there first would put that copy on the time to first token.
+    """
 
     num_tokens: int
     kv: torch.Tensor | None
+    promote: list[Found] = field(default_factory=list)
+    promote_tail: Found | None = None
 
 
 class PrefixCache:
@@ -64,56 +72,59 @@ class PrefixCache:
     # -- lookup -------------------------------------------------------------
 
     def lookup(self, tokens: list[int], extra: ExtraKeys | None, limit: int) -> tuple[Lease, Reuse]:
-        """Acquire the longest cached prefix of `tokens` (at most `limit` tokens are
-        restored) and gather its KV. The lease holds the fully reused blocks."""
+        """Find the longest cached prefix of `tokens` in any tier and restore at most
+        `limit` tokens of it. The lease holds the RAM blocks reused in full."""
         lease = Lease(extra)
         chain = self.hasher.chain(tokens, extra)
         bs = self.block_size
         match = self.pool.match_prefix(tokens, extra, chain=chain, acquire=True)
         full = list(match.blocks[: match.num_full_blocks])
-        partial: Block | None = match.blocks[len(full)] if len(match.blocks) > len(full) else None
+        partial = match.blocks[len(full)] if len(match.blocks) > len(full) else None
         partial_tokens = match.num_tokens - len(full) * bs
         lease.table = full
-        held_partial = partial
-        self._count(lease, "ram", match.num_tokens)
         self.ram_hit_blocks += len(match.blocks)
-
+        reuse = Reuse(0, None)
         if self.lower and len(full) < len(chain.hashes):
-            found = self.lower.fetch_full(
+            reuse.promote = self.lower.fetch_full(
                 chain.hashes, chain.parent_keys, chain.tokens, len(full), bs
             )
-            if found:
-                promoted = self._promote(
-                    [f.block for f in found],
-                    tokens[: (len(full) + len(found)) * bs],
-                    lease,
-                    sources=[f.tier for f in found],
-                )
-                if promoted and held_partial is not None:
-                    self.pool.free([held_partial])
-                    self._count(lease, "ram", -partial_tokens)
-                    held_partial, partial_tokens = None, 0
-        if self.lower and held_partial is None and len(lease.table) * bs < len(tokens):
-            pos = len(lease.table)
-            hit = self.lower.fetch_partial(chain.parent_keys[pos], chain.tokens[pos * bs :])
+        if reuse.promote and partial is not None:  # whole blocks beat a partial match
+            self.pool.free([partial])
+            partial, partial_tokens = None, 0
+        num_full = len(full) + len(reuse.promote)
+        if self.lower and partial is None and num_full * bs < len(tokens):
+            hit = self.lower.fetch_partial(
+                chain.parent_keys[num_full], chain.tokens[num_full * bs :]
+            )
             if hit is not None:
-                found_partial, lcp = hit
-                blk = self._promote_partial(found_partial.block, tokens[: pos * bs], lease)
-                if blk is not None:
-                    held_partial, partial_tokens = blk, lcp
-                    self._count(lease, found_partial.tier, lcp)
-
-        slots = [b.block_id for b in lease.table] + (
-            [held_partial.block_id] if held_partial else []
-        )
-        total = min(len(lease.table) * bs + partial_tokens, limit)
-        kv = None
+                reuse.promote_tail, partial_tokens = hit
+        total = min(num_full * bs + partial_tokens, limit)
         if total > 0:
-            nblocks = -(-total // bs)
-            kv = self.ram.gather(slots[:nblocks], reuse_buffer=True)[:, :, :, :total]
-        if held_partial is not None:
-            self.pool.free([held_partial])
-        return lease, Reuse(total, kv)
+            reuse.kv = self._restore(full, partial, reuse, total)
+        reuse.num_tokens = total
+        if partial is not None:
+            self.pool.free([partial])
+        self._count(lease, "ram", min(total, len(full) * bs + (partial_tokens if partial else 0)))
+        for i, f in enumerate(reuse.promote):
+            self._count(lease, f.tier, max(0, min(bs, total - (len(full) + i) * bs)))
+        if reuse.promote_tail is not None:
+            self._count(lease, reuse.promote_tail.tier, max(0, total - num_full * bs))
+        return lease, reuse
+
+    def _restore(
+        self, full: list[Block], partial: Block | None, reuse: Reuse, total: int
+    ) -> torch.Tensor:
+        """The first `total` tokens of KV of RAM blocks then lower-tier blocks, in order."""
+        bs = self.block_size
+        slots = [b.block_id for b in full] + ([partial.block_id] if partial else [])
+        need = -(-total // bs)
+        if len(slots) >= need:  # all in RAM: one gather
+            return self.ram.gather(slots[:need], reuse_buffer=True)[:, :, :, :total]
+        pieces = [self.ram.gather(slots)] if slots else []
+        pieces += [f.block.kv for f in reuse.promote]
+        if reuse.promote_tail is not None:
+            pieces.append(reuse.promote_tail.block.kv)
+        return torch.cat(pieces, dim=3)[:, :, :, :total]
 
     def _count(self, lease: Lease, tier: str, num_tokens: int) -> None:
         if num_tokens:
@@ -128,30 +139,33 @@ class PrefixCache:
         self.ram.ensure_capacity(self.pool.num_blocks)
         return blocks
 
-    def _promote(
-        self, blocks: list[KVBlock], tokens: list[int], lease: Lease, sources: list[str]
-    ) -> bool:
-        """Copy lower-tier blocks into RAM after `lease.table` and cache them there."""
-        new = self._allocate(len(blocks))
-        if new is None:
-            return False
-        self.ram.write_blocks([b.block_id for b in new], [b.kv for b in blocks])
-        lease.table = lease.table + new
-        self.pool.cache_blocks(lease.table, tokens, lease.extra)
-        for src in sources:
-            self._count(lease, src, self.block_size)
-        # Write-through to the tiers that did not have them (Redis hits go to SSD).
-        for src in set(sources):
-            self.lower.put([b for b, s in zip(blocks, sources, strict=True) if s == src], skip=src)
-        return True
-
-    def _promote_partial(self, block: KVBlock, head: list[int], lease: Lease) -> Block | None:
-        new = self._allocate(1)
-        if new is None:
-            return None
-        self.ram.write_blocks([new[0].block_id], [block.kv])
-        self.pool.cache_blocks(lease.table + new, head + block.meta.token_ids.tolist(), lease.extra)
-        return new[0]
+    def promote(self, lease: Lease, reuse: Reuse, tokens: list[int]) -> None:
+        """Copy the blocks a lookup found in lower tiers into RAM, cache them there, and
+        write them through to the tiers that lack them (a Redis hit goes to SSD)."""
+        bs = self.block_size
+        found = reuse.promote
+        if found:
+            new = self._allocate(len(found))
+            if new is None:
+                return
+            self.ram.write_blocks([b.block_id for b in new], [f.block.kv for f in found])
+            lease.table = lease.table + new
+            self.pool.cache_blocks(lease.table, tokens[: len(lease.table) * bs], lease.extra)
+            for tier in {f.tier for f in found}:
+                self.lower.put([f.block for f in found if f.tier == tier], skip=tier)
+        tail = reuse.promote_tail
+        if tail is not None:
+            new = self._allocate(1)
+            if new is None:
+                return
+            self.ram.write_blocks([new[0].block_id], [tail.block.kv])
+            head = tokens[: len(lease.table) * bs]
+            self.pool.cache_blocks(
+                lease.table + new, head + tail.block.meta.token_ids.tolist(), lease.extra
+            )
+            self.lower.put([tail.block], skip=tail.tier)
+            self.pool.free(new)  # not the request's own block: it only had its first tokens
+        reuse.promote, reuse.promote_tail = [], None
 
     # -- store --------------------------------------------------------------
 

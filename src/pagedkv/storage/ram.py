@@ -73,7 +73,7 @@ class RamBlockStore:
                 lay.block_size,
                 lay.head_dim,
             )
-            self.slabs.append(torch.zeros(shape, dtype=lay.dtype, device=self.device))
+            self.slabs.append(torch.empty(shape, dtype=lay.dtype, device=self.device))
 
     def _split(self, slots: Sequence[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Group slots by slab: (slab index, positions in `slots`, offsets in the slab)."""

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 SEED_KEY = "pagedkv:seed"
 MAX_CHILDREN = 64
-_BATCH_BYTES = 64 * 1024**2
+_BATCH_BYTES = 16 * 1024**2  # per write pipeline: a lookup waits behind at most one
+WRITE_TIMEOUT_S = 5.0
 # redis-py wraps socket failures in ConnectionError/TimeoutError; OSError covers
 # what slips through (TLS handshakes). Any RedisError is treated as an outage:
 # AuthenticationError and a loading server must back off like a dead one.
@@ -143,6 +144,16 @@ class RedisStore(KVTier):
         self.client = redis.Redis.from_url(
             url,
             socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        # The writer has its own connection and a longer timeout: a pipeline of
+        # large SETs may take Redis longer than a lookup is allowed to wait, and
+        # sharing one short timeout made healthy writes trip the breaker.
+        self._write_client = redis.Redis.from_url(
+            url,
+            socket_timeout=max(socket_timeout, WRITE_TIMEOUT_S),
             socket_connect_timeout=socket_timeout,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
@@ -343,6 +354,7 @@ class RedisStore(KVTier):
         self._count(writes_dropped=dropped)
         self._writer.join(timeout=2.0)
         self.client.close()
+        self._write_client.close()
 
     # -- writer thread ------------------------------------------------------
 
@@ -386,7 +398,7 @@ class RedisStore(KVTier):
             return
 
         def op() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
+            pipe = self._write_client.pipeline(transaction=False)
             now = time.time()
             for block, frame in zip(batch, frames, strict=True):
                 meta = block.meta
