@@ -300,14 +300,17 @@ class Engine:
         decoder: _Decoder | None = None
         error: Exception | None = None
         cache: Any = None
+        # Room for the prompt and the first answer tokens; a longer answer grows it.
+        capacity = len(prompt) + min(max_tokens, 256)
         try:
-            cache = adapter.new_cache()
+            cache = adapter.new_cache(capacity)
             if prefix is not None:
                 lease, reuse = prefix.lookup(prompt, req.extra, limit=len(prompt) - 1)
                 cached = reuse.num_tokens
                 if reuse.kv is not None:
                     cache = adapter.build_cache(
-                        [(reuse.kv[i, 0:1], reuse.kv[i, 1:2]) for i in range(reuse.kv.shape[0])]
+                        [(reuse.kv[i, 0:1], reuse.kv[i, 1:2]) for i in range(reuse.kv.shape[0])],
+                        capacity,
                     )
             logits = None
             for start in range(cached, len(prompt), PREFILL_CHUNK):

@@ -116,6 +116,62 @@ def classify_layers(config: Any) -> tuple[str | None, tuple[int, ...]]:
     return None, tuple(widened)
 
 
+class GrowableLayer(DynamicLayer):
+    """A full-attention cache layer that appends in place.
+
+    transformers' DynamicLayer concatenates its whole history with every new
+    token: at 4K tokens of context that copy is most of a decode step. This
+    layer writes new keys and values into a buffer with spare room and hands
+    attention a view of the filled part; when the buffer is full it doubles
+    (amortised O(1) per token). `keys`/`values` stay `[batch, heads, tokens,
+    head_dim]` views, so everything that reads a DynamicLayer reads this one.
+    """
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, k = self.get_seq_length(), key_states.shape[-2]
+        if self._k is None or self._v is None or n + k > self._k.shape[-2]:
+            self._grow(n + k, key_states)
+        assert self._k is not None and self._v is not None
+        self._k[..., n : n + k, :].copy_(key_states)
+        self._v[..., n : n + k, :].copy_(value_states)
+        self.keys, self.values = self._k[..., : n + k, :], self._v[..., : n + k, :]
+        return self.keys, self.values
+
+    def _grow(self, need: int, like: torch.Tensor) -> None:
+        n = self.get_seq_length()
+        old = 0 if self._k is None else self._k.shape[-2]
+        shape = (*like.shape[:-2], max(need, self.capacity, 2 * old), like.shape[-1])
+        k = torch.empty(shape, dtype=like.dtype, device=like.device)
+        v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        if n:
+            assert self.keys is not None and self.values is not None
+            k[..., :n, :].copy_(self.keys)
+            v[..., :n, :].copy_(self.values)
+        self._k, self._v = k, v
+
+    def reset(self) -> None:
+        super().reset()
+        self._k = self._v = None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._k = self._v = None  # `keys` no longer views the buffer
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._k = self._v = None
+
+
 class ModelAdapter:
     """A loaded causal LM plus the tokenizer and the KV-cache plumbing the engine needs.
 
@@ -171,7 +227,7 @@ class ModelAdapter:
         reason, self._widened_layers = classify_layers(model.config)
         self.unsupported_reason: str | None = reason
         if self.unsupported_reason is None and not all(
-            type(layer) is DynamicLayer for layer in self.new_cache().layers
+            type(layer) is GrowableLayer for layer in self.new_cache().layers
         ):
             self.unsupported_reason = "transformers builds a non-standard KV cache for this model"
         self.prefix_caching_supported: bool = self.unsupported_reason is None
@@ -204,28 +260,29 @@ class ModelAdapter:
 
     # ---- KV cache -------------------------------------------------------
 
-    def new_cache(self) -> Any:
-        """An empty transformers cache for this model."""
+    def new_cache(self, capacity: int = 0) -> Any:
+        """An empty transformers cache for this model; its full-attention layers
+        append in place into buffers sized for `capacity` tokens (see GrowableLayer)."""
         cache = DynamicCache(config=self.config)
-        for i in self._widened_layers:  # window >= context: plain full-attention layers
-            cache.layers[i] = DynamicLayer()
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is DynamicLayer or i in self._widened_layers:
+                cache.layers[i] = GrowableLayer(capacity)
         return cache
 
-    def build_cache(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-        """A cache holding the given per-layer KV, each `[1, kv_heads, tokens, head_dim]`.
-
-        Tensors already on the model's device and dtype are adopted, not copied
-        (the first forward concatenates onto them anyway).
-        """
+    def build_cache(
+        self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], capacity: int = 0
+    ) -> Any:
+        """A cache holding a copy of the given per-layer KV, each `[1, kv_heads,
+        tokens, head_dim]`, with room for `capacity` tokens in all."""
         if not self.prefix_caching_supported:
             raise ModelNotSupportedError(
                 f"cannot restore KV into {self.name}: {self.unsupported_reason}"
             )
         if len(layers) != self.num_layers:
             raise ValueError(f"build_cache got {len(layers)} layers, model has {self.num_layers}")
-        cache = self.new_cache()
-        expected = (1, self.num_kv_heads, self.head_dim)
         num_tokens = layers[0][0].shape[2] if layers else 0
+        cache = self.new_cache(max(capacity, num_tokens))
+        expected = (1, self.num_kv_heads, self.head_dim)
         for i, (keys, values) in enumerate(layers):
             for t in (keys, values):
                 if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != expected:
@@ -237,9 +294,7 @@ class ModelAdapter:
                     raise ValueError(f"layer {i}: {t.shape[2]} tokens, layer 0 has {num_tokens}")
             keys = keys.to(device=self.device, dtype=self.dtype)
             values = values.to(device=self.device, dtype=self.dtype)
-            layer: Any = cache.layers[i]
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
+            cache.layers[i].update(keys, values)
         return cache
 
     def cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
