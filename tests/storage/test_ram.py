@@ -58,12 +58,17 @@ def test_capacity_is_bounded() -> None:
         store.scatter([1], torch.randn(3, 2, 2, 9, 4))
 
 
-def test_reused_buffer_gives_the_same_kv() -> None:
+def test_gather_into_a_strided_cache_buffer() -> None:
     store = RamBlockStore(LAYOUT, max_slots=40)
     store.ensure_capacity(40)
-    kv = torch.randn(3, 2, 2, 6 * 8, 4)
-    store.scatter([1, 2, 3, 20, 33, 34], kv)
-    big = store.gather([1, 2, 3, 20, 33, 34], reuse_buffer=True).clone()
-    assert torch.equal(big, kv)
-    small = store.gather([33, 1], reuse_buffer=True)  # the buffer shrinks in place
-    assert torch.equal(small, torch.cat([kv[:, :, :, 32:40], kv[:, :, :, :8]], dim=3))
+    assert len(store.slabs) > 1
+    kv = torch.randn(3, 2, 2, 5 * 8, 4)
+    slots = [1, 2, 3, 20, 33]
+    store.scatter(slots, kv)
+    blocks = {s: kv[:, :, :, i * 8 : (i + 1) * 8] for i, s in enumerate(slots)}
+    for order, num_tokens in ((slots, 40), (slots, 37), ([33, 1], 11), ([2, 3], 16)):
+        buffers = torch.zeros(3, 2, 1, 2, 64, 4)  # like the model's cache: room to grow
+        store.gather_into(order, buffers[:, :, 0, :, :num_tokens])
+        want = _reference_gather(blocks, order)[:, :, :, :num_tokens]
+        assert torch.equal(buffers[:, :, 0, :, :num_tokens], want)
+        assert not buffers[:, :, 0, :, num_tokens:].any(), "wrote past the restored tokens"

@@ -307,11 +307,9 @@ class Engine:
             if prefix is not None:
                 lease, reuse = prefix.lookup(prompt, req.extra, limit=len(prompt) - 1)
                 cached = reuse.num_tokens
-                if reuse.kv is not None:
-                    cache = adapter.build_cache(
-                        [(reuse.kv[i, 0:1], reuse.kv[i, 1:2]) for i in range(reuse.kv.shape[0])],
-                        capacity,
-                    )
+                if cached:
+                    cache, restored = adapter.restore_cache(cached, capacity)
+                    prefix.restore(lease, reuse, restored)
             logits = None
             for start in range(cached, len(prompt), PREFILL_CHUNK):
                 logits, cache = adapter.forward(prompt[start : start + PREFILL_CHUNK], cache)

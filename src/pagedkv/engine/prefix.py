@@ -31,25 +31,29 @@ KVSource = Callable[[int, int], torch.Tensor]
 @dataclass
 class Lease:
     """The blocks one request holds, in sequence order; `table[i]` covers tokens
-    `[i * block_size, (i + 1) * block_size)`."""
+    `[i * block_size, (i + 1) * block_size)`. `partial` is a RAM block matched
+    only in part, held until its KV has been restored."""
 
     extra: ExtraKeys | None
     table: list[Block] = field(default_factory=list)
+    partial: Block | None = None
     tier_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class Reuse:
-    """What a lookup restored: `num_tokens` tokens of KV, `[L, 2, H, num_tokens, D]`.
+    """What a lookup found: the first `num_tokens` tokens of the prompt can be restored.
 
-    `promote` holds the blocks that came from a lower tier, in order, with the
-    tier each came from; `promote_tail` a partial block from a lower tier. They
-    go into RAM in `PrefixCache.promote`, after the first token: copying them
-    there first would put that copy on the time to first token.
+    The first `ram_tokens` come from RAM blocks `slots`; the rest from the
+    blocks a lower tier returned, `promote` (whole blocks, in order) then
+    `promote_tail` (a partial block). The lower-tier blocks go into RAM in
+    `PrefixCache.promote`, after the first token: copying them there first
+    would put that copy on the time to first token.
     """
 
-    num_tokens: int
-    kv: torch.Tensor | None
+    num_tokens: int = 0
+    ram_tokens: int = 0
+    slots: list[int] = field(default_factory=list)
     promote: list[Found] = field(default_factory=list)
     promote_tail: Found | None = None
 
@@ -72,59 +76,66 @@ class PrefixCache:
     # -- lookup -------------------------------------------------------------
 
     def lookup(self, tokens: list[int], extra: ExtraKeys | None, limit: int) -> tuple[Lease, Reuse]:
-        """Find the longest cached prefix of `tokens` in any tier and restore at most
-        `limit` tokens of it. The lease holds the RAM blocks reused in full."""
+        """Find the longest cached prefix of `tokens` in any tier, at most `limit` tokens
+        of it. The lease holds the RAM blocks it reuses until `release`."""
         lease = Lease(extra)
         chain = self.hasher.chain(tokens, extra)
         bs = self.block_size
         match = self.pool.match_prefix(tokens, extra, chain=chain, acquire=True)
         full = list(match.blocks[: match.num_full_blocks])
-        partial = match.blocks[len(full)] if len(match.blocks) > len(full) else None
-        partial_tokens = match.num_tokens - len(full) * bs
         lease.table = full
+        if len(match.blocks) > len(full):
+            lease.partial = match.blocks[len(full)]
+        ram_tokens = match.num_tokens
         self.ram_hit_blocks += len(match.blocks)
-        reuse = Reuse(0, None)
+        reuse = Reuse()
         if self.lower and len(full) < len(chain.hashes):
             reuse.promote = self.lower.fetch_full(
                 chain.hashes, chain.parent_keys, chain.tokens, len(full), bs
             )
-        if reuse.promote and partial is not None:  # whole blocks beat a partial match
-            self.pool.free([partial])
-            partial, partial_tokens = None, 0
+        if reuse.promote and lease.partial is not None:  # whole blocks beat a partial match
+            self.pool.free([lease.partial])
+            lease.partial, ram_tokens = None, len(full) * bs
         num_full = len(full) + len(reuse.promote)
-        if self.lower and partial is None and num_full * bs < len(tokens):
+        tail_tokens = 0
+        if self.lower and lease.partial is None and num_full * bs < len(tokens):
             hit = self.lower.fetch_partial(
                 chain.parent_keys[num_full], chain.tokens[num_full * bs :]
             )
             if hit is not None:
-                reuse.promote_tail, partial_tokens = hit
-        total = min(num_full * bs + partial_tokens, limit)
-        if total > 0:
-            reuse.kv = self._restore(full, partial, reuse, total)
-        reuse.num_tokens = total
-        if partial is not None:
-            self.pool.free([partial])
-        self._count(lease, "ram", min(total, len(full) * bs + (partial_tokens if partial else 0)))
+                reuse.promote_tail, tail_tokens = hit
+        reuse.num_tokens = min(max(ram_tokens, num_full * bs + tail_tokens), limit)
+        reuse.ram_tokens = min(ram_tokens, reuse.num_tokens)
+        reuse.slots = [b.block_id for b in full]
+        if lease.partial is not None:
+            reuse.slots.append(lease.partial.block_id)
+        self._count(lease, "ram", reuse.ram_tokens)
         for i, f in enumerate(reuse.promote):
-            self._count(lease, f.tier, max(0, min(bs, total - (len(full) + i) * bs)))
+            self._count(lease, f.tier, max(0, min(bs, reuse.num_tokens - (len(full) + i) * bs)))
         if reuse.promote_tail is not None:
-            self._count(lease, reuse.promote_tail.tier, max(0, total - num_full * bs))
+            self._count(lease, reuse.promote_tail.tier, max(0, reuse.num_tokens - num_full * bs))
         return lease, reuse
 
-    def _restore(
-        self, full: list[Block], partial: Block | None, reuse: Reuse, total: int
-    ) -> torch.Tensor:
-        """The first `total` tokens of KV of RAM blocks then lower-tier blocks, in order."""
-        bs = self.block_size
-        slots = [b.block_id for b in full] + ([partial.block_id] if partial else [])
-        need = -(-total // bs)
-        if len(slots) >= need:  # all in RAM: one gather
-            return self.ram.gather(slots[:need], reuse_buffer=True)[:, :, :, :total]
-        pieces = [self.ram.gather(slots)] if slots else []
-        pieces += [f.block.kv for f in reuse.promote]
-        if reuse.promote_tail is not None:
-            pieces.append(reuse.promote_tail.block.kv)
-        return torch.cat(pieces, dim=3)[:, :, :, :total]
+    def restore(self, lease: Lease, reuse: Reuse, out: torch.Tensor) -> None:
+        """Write the KV a lookup found into `out` `[L, 2, H, reuse.num_tokens, D]` (the
+        model's cache buffers), then let go of the partially matched RAM block."""
+        r = reuse.ram_tokens
+        if r:
+            self.ram.gather_into(reuse.slots, out[:, :, :, :r])
+        left = reuse.num_tokens - r
+        if left:
+            pieces = []
+            found = reuse.promote + ([reuse.promote_tail] if reuse.promote_tail else [])
+            for f in found:
+                take = min(f.block.kv.shape[3], left)
+                pieces.append(f.block.kv[:, :, :, :take])
+                left -= take
+                if not left:
+                    break
+            torch.cat(pieces, dim=3, out=out[:, :, :, r:])
+        if lease.partial is not None:
+            self.pool.free([lease.partial])
+            lease.partial = None
 
     def _count(self, lease: Lease, tier: str, num_tokens: int) -> None:
         if num_tokens:
@@ -197,6 +208,9 @@ class PrefixCache:
         return BlockMeta(block.block_hash, block.parent_hash, tokens, self.namespace)
 
     def release(self, lease: Lease) -> None:
+        if lease.partial is not None:
+            self.pool.free([lease.partial])
+            lease.partial = None
         if lease.table:
             self.pool.free(lease.table)
             lease.table = []

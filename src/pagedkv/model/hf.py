@@ -159,6 +159,14 @@ class GrowableLayer(DynamicLayer):
             v[..., :n, :].copy_(self.values)
         self._k, self._v = k, v
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Use `keys`/`values` `[batch, heads, capacity, head_dim]` as this layer's
+        buffers, their first `length` tokens already filled by the caller."""
+        self.device = keys.device
+        self._k, self._v = keys, values
+        self.keys, self.values = keys[..., :length, :], values[..., :length, :]
+        self.is_initialized = True
+
     def reset(self) -> None:
         super().reset()
         self._k = self._v = None
@@ -296,6 +304,23 @@ class ModelAdapter:
             values = values.to(device=self.device, dtype=self.dtype)
             cache.layers[i].update(keys, values)
         return cache
+
+    def restore_cache(self, num_tokens: int, capacity: int = 0) -> tuple[Any, torch.Tensor]:
+        """A cache that holds `num_tokens` tokens, and the `[num_layers, 2, kv_heads,
+        num_tokens, head_dim]` view of its buffers the caller must fill with their KV
+        before the first forward. Restoring straight into the buffers the model
+        attends over saves copying the prefix twice."""
+        if not self.prefix_caching_supported:
+            raise ModelNotSupportedError(
+                f"cannot restore KV into {self.name}: {self.unsupported_reason}"
+            )
+        cap = max(capacity, num_tokens)
+        shape = (self.num_layers, 2, 1, self.num_kv_heads, cap, self.head_dim)
+        buffers = torch.empty(shape, dtype=self.dtype, device=self.device)
+        cache = self.new_cache(cap)
+        for i, layer in enumerate(cache.layers):
+            layer.adopt(buffers[i, 0], buffers[i, 1], num_tokens)
+        return cache, buffers[:, :, 0, :, :num_tokens]
 
     def cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer `(keys, values)` `[1, kv_heads, tokens, head_dim]` of a cache (views)."""

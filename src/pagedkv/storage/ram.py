@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-REUSED_BUFFER_MAX_BYTES = 1 << 30
-
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -49,7 +47,6 @@ class RamBlockStore:
         self.device = torch.device(device)
         self.slab_slots = max(1, min(max_slots, max(16, max_slots // 8)))
         self.slabs: list[torch.Tensor] = []
-        self._buffer = torch.empty(0, dtype=layout.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -88,34 +85,37 @@ class RamBlockStore:
             groups.append((s, pos, ids[pos] - s * self.slab_slots))
         return groups
 
-    def gather(self, slots: Sequence[int], reuse_buffer: bool = False) -> torch.Tensor:
-        """KV of `slots` in order: `[L, 2, H, n * block_size, D]`.
-
-        With `reuse_buffer` the result lives in a buffer that the next such call
-        overwrites, which saves faulting in fresh pages on every restore (two
-        thirds of its time for a 4K-token prefix). The engine can use it: the
-        model's cache copies the restored KV on the first forward after a
-        restore. Restores over REUSED_BUFFER_MAX_BYTES get fresh memory, so a
-        rare huge prompt does not pin its size in RAM for good.
-        """
+    def gather(self, slots: Sequence[int]) -> torch.Tensor:
+        """KV of `slots` in order: `[L, 2, H, n * block_size, D]`."""
         lay = self.layout
         shape = (lay.num_layers, 2, lay.num_kv_heads, len(slots), lay.block_size, lay.head_dim)
-        out = None
-        if reuse_buffer and len(slots) * lay.bytes_per_block <= REUSED_BUFFER_MAX_BYTES:
-            out = self._buffer.resize_(shape)
+        out = torch.empty(shape, dtype=lay.dtype, device=self.device)
+        self._gather(slots, out)
+        return out.flatten(3, 4)
+
+    def gather_into(self, slots: Sequence[int], out: torch.Tensor) -> None:
+        """Write the first `T` tokens of `slots` into `out` `[L, 2, H, T, D]`, which may
+        be a strided view (the model's own cache buffers): one `index_select` per slab
+        for all layers, straight into place."""
+        bs = self.layout.block_size
+        n_full = out.shape[3] // bs
+        if n_full:
+            self._gather(slots[:n_full], out[:, :, :, : n_full * bs].unflatten(3, (n_full, bs)))
+        rest = out.shape[3] - n_full * bs
+        if rest:
+            last = slots[n_full]
+            slab = self.slabs[last // self.slab_slots]
+            out[:, :, :, n_full * bs :].copy_(slab[:, :, :, last % self.slab_slots, :rest])
+
+    def _gather(self, slots: Sequence[int], out: torch.Tensor) -> None:
+        """`out[:, :, :, i] = block slots[i]` for `out` `[L, 2, H, n, block_size, D]`."""
         groups = self._split(slots)
         if len(groups) == 1:
             s, _, off = groups[0]
-            if out is None:
-                out = self.slabs[s].index_select(3, off.to(self.device))
-            else:
-                torch.index_select(self.slabs[s], 3, off.to(self.device), out=out)
-        else:
-            if out is None:
-                out = torch.empty(shape, dtype=lay.dtype, device=self.device)
-            for s, pos, off in groups:
-                out.index_copy_(3, pos.to(self.device), self.slabs[s].index_select(3, off))
-        return out.flatten(3, 4)
+            torch.index_select(self.slabs[s], 3, off.to(self.device), out=out)
+            return
+        for s, pos, off in groups:
+            out.index_copy_(3, pos.to(self.device), self.slabs[s].index_select(3, off))
 
     def scatter(self, slots: Sequence[int], kv: torch.Tensor) -> None:
         """Write `kv` `[L, 2, H, T, D]` (T <= n * block_size, from a block boundary) into
