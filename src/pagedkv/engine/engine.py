@@ -8,8 +8,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -19,24 +18,15 @@ from ..errors import EngineClosedError, EngineOverloadedError, PagedKVError
 from ..hashing import ExtraKeys
 from ..model import ModelAdapter, load_model
 from .builder import build_prefix_cache
+from .detokenize import Detokenizer
 from .prefix import Lease, PrefixCache
-from .request import GenerationResult, StreamEvent
+from .request import GenerationResult, Request, RequestStream, StreamEvent
 from .sampling import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 512
 _STOP = object()
-
-
-@dataclass
-class _Request:
-    prompt: list[int]
-    params: SamplingParams
-    extra: ExtraKeys | None
-    events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
-    submitted: float = field(default_factory=time.perf_counter)
-    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 class Engine:
@@ -195,7 +185,7 @@ class Engine:
 
     # -- caller side --------------------------------------------------------
 
-    def _submit(self, ids: list[int], params: SamplingParams, salt: str | None) -> _Request:
+    def _submit(self, ids: list[int], params: SamplingParams, salt: str | None) -> Request:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(ids) >= self.max_context:
@@ -209,7 +199,7 @@ class Engine:
             if self._pending >= self.max_queue:
                 raise EngineOverloadedError(self._pending, self.max_queue)
             self._pending += 1
-        req = _Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None)
+        req = Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None)
         self._queue.put(req)
         return req
 
@@ -227,7 +217,7 @@ class Engine:
     # -- worker side --------------------------------------------------------
 
     def _loop(self) -> None:
-        active: list[tuple[_Request, Generator[None, None, None]]] = []
+        active: list[tuple[Request, Generator[None, None, None]]] = []
         stopping = False
         while not (stopping and not active):
             try:
@@ -267,13 +257,13 @@ class Engine:
                 except StopIteration:
                     active.remove(entry)
 
-    def _abandon(self, req: _Request) -> None:
+    def _abandon(self, req: Request) -> None:
         """End a request cancelled before it started: nothing to release."""
         result = GenerationResult("", [], len(req.prompt), 0, 0.0, "cancelled")
         req.events.put(StreamEvent([], "", finished=True, result=result))
         self._finish(req, result)
 
-    def _finish(self, req: _Request, result: GenerationResult | None, error: bool = False) -> None:
+    def _finish(self, req: Request, result: GenerationResult | None, error: bool = False) -> None:
         with self._lock:
             self._pending -= 1
             c = self._counters
@@ -286,7 +276,7 @@ class Engine:
                 c["generated_tokens"] += len(result.token_ids)
                 c["cancelled"] += result.finish_reason == "cancelled"
 
-    def _run(self, req: _Request) -> Generator[None, None, None]:
+    def _run(self, req: Request) -> Generator[None, None, None]:
         """One request, advanced one step per `next`: lookup, prefill chunks, tokens."""
         adapter, prefix, params = self.adapter, self.prefix, req.params
         prompt = req.prompt
@@ -297,7 +287,7 @@ class Engine:
         ttft = 0.0
         reason = "cancelled"
         cached = 0
-        decoder: _Decoder | None = None
+        decoder: Detokenizer | None = None
         error: Exception | None = None
         cache: Any = None
         # Room for the prompt and the first answer tokens; a longer answer grows it.
@@ -316,7 +306,7 @@ class Engine:
                 if start + PREFILL_CHUNK < len(prompt):
                     yield
             assert logits is not None
-            decoder = _Decoder(adapter, params, ignore=set(adapter.eos_token_ids))
+            decoder = Detokenizer(adapter, params, ignore=set(adapter.eos_token_ids))
             sampler = Sampler(params)
             for step in itertools.count():
                 token, lp = sampler.sample(logits)
@@ -380,35 +370,6 @@ class Engine:
         return kv_of
 
 
-class RequestStream(Iterator[StreamEvent]):
-    """The events of one request. `cancel()` may be called from any thread (a
-    server noticing a disconnect); `close()`, or dropping the stream, cancels too."""
-
-    def __init__(self, req: _Request) -> None:
-        self._req = req
-        self._done = False
-
-    def __next__(self) -> StreamEvent:
-        if self._done:
-            raise StopIteration
-        event = self._req.events.get()
-        if isinstance(event, BaseException):
-            self._done = True
-            raise event
-        self._done = event.finished
-        return event
-
-    def cancel(self) -> None:
-        self._req.cancelled.set()
-
-    def close(self) -> None:
-        self._req.cancelled.set()
-        self._done = True
-
-    def __del__(self) -> None:
-        self._req.cancelled.set()
-
-
 def _check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     out = list(ids)
     for t in out:
@@ -419,42 +380,3 @@ def _check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
                 f"token id {t} is outside the model's vocabulary (0..{vocab_size - 1})"
             )
     return out
-
-
-class _Decoder:
-    """Turns tokens into text deltas, holding back what a stop string might still claim."""
-
-    def __init__(self, adapter: ModelAdapter, params: SamplingParams, ignore: set[int]) -> None:
-        self.adapter = adapter
-        self.stop = [s for s in params.stop if s]
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else ignore)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0
-
-    def push(self, token: int) -> tuple[str, str | None]:
-        if token in self.stop_ids:
-            return "", "stop"
-        self.ids.append(token)
-        text = self.adapter.decode(self.ids)
-        for s in self.stop:
-            at = text.find(s, max(0, self.sent - len(s)))
-            if at != -1:
-                self.text = text[:at]
-                return self._emit(len(self.text)), "stop"
-        self.text = text
-        end = len(text) - self.hold
-        if text.endswith("\ufffd"):  # an unfinished multi-byte character
-            end = min(end, len(text) - 1)
-        return self._emit(end), None
-
-    def _emit(self, end: int) -> str:
-        if end <= self.sent:
-            return ""
-        delta = self.text[self.sent : end]
-        self.sent = end
-        return delta
-
-    def flush(self) -> str:
-        return self._emit(len(self.text))

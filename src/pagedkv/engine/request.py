@@ -1,8 +1,15 @@
-"""What a caller gets back from the engine."""
+"""A request as the engine holds it, and what a caller gets back."""
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from ..hashing import ExtraKeys
+from .sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -43,3 +50,45 @@ class StreamEvent:
     finished: bool = False
     result: GenerationResult | None = None
     logprobs: list[float] | None = None
+
+
+@dataclass
+class Request:
+    """A submitted request: prompt ids, sampling, cache extras, and the queue the
+    worker puts its events on. `cancelled` may be set from any thread."""
+
+    prompt: list[int]
+    params: SamplingParams
+    extra: ExtraKeys | None
+    events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class RequestStream(Iterator[StreamEvent]):
+    """The events of one request. `cancel()` may be called from any thread (a
+    server noticing a disconnect); `close()`, or dropping the stream, cancels too."""
+
+    def __init__(self, req: Request) -> None:
+        self._req = req
+        self._done = False
+
+    def __next__(self) -> StreamEvent:
+        if self._done:
+            raise StopIteration
+        event = self._req.events.get()
+        if isinstance(event, BaseException):
+            self._done = True
+            raise event
+        self._done = event.finished
+        return event
+
+    def cancel(self) -> None:
+        self._req.cancelled.set()
+
+    def close(self) -> None:
+        self._req.cancelled.set()
+        self._done = True
+
+    def __del__(self) -> None:
+        self._req.cancelled.set()
