@@ -122,10 +122,10 @@ class ModelAdapter:
 
     Invariants: `forward` always runs under `torch.inference_mode()`, so cache
     tensors it produces are inference tensors (read them anywhere; write into
-    them only inside inference mode). `build_cache` adopts the tensors it is
-    given without copying; transformers' `DynamicLayer` only ever concatenates,
-    never writes in place, so the caller's tensors are never modified.
-    Not thread-safe: one worker owns the adapter.
+    them only inside inference mode). Caches from `new_cache`, `build_cache` and
+    `restore_cache` own their buffers (GrowableLayer): `build_cache` copies the
+    tensors it is given, and `restore_cache` hands out a view to fill before the
+    first forward. Not thread-safe: one worker owns the adapter.
     """
 
     def __init__(
