@@ -10,12 +10,16 @@ For each tier the cached prefix is restored from, the warm TTFT is compared with
   tier restores from (memory copy for RAM, sequential disk read for SSD; for
   Redis, a second engine with empty RAM and no SSD, the target is only the
   ratio to cold), all measured in this run.
+
+SSD and Redis runs each start a fresh process, as a restarted or second server
+would be; the SSD block files' pages are dropped from the page cache first.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import os
 import socket
 import statistics
@@ -29,7 +33,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from pagedkv import CacheConfig, Engine, SamplingParams
+from pagedkv import CacheConfig, Engine, GenerationResult, SamplingParams
 from pagedkv.model import load_model
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -139,7 +143,35 @@ def suffix_only_prefill(model: str, prefix: list[int], suffix: list[int], runs: 
     return best
 
 
+def _timing(result: GenerationResult) -> tuple[float, int]:
+    return result.ttft_s, result.cached_tokens
+
+
+def restarted(model: str, cache: dict[str, object], prompt: list[int]) -> tuple[float, int]:
+    """(TTFT, cached tokens) of `prompt` in a freshly started process, as after a
+    restart of the server: nothing in RAM, no warm allocator or threads."""
+    spec = json.dumps({"model": model, "cache": cache, "prompt": prompt})
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", spec],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    ttft, cached = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(ttft), int(cached)
+
+
+def child(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    with Engine.from_pretrained(spec["model"], cache=CacheConfig(**spec["cache"])) as eng:
+        print(json.dumps(_timing(eng.generate(spec["prompt"], ONE))))
+    return 0
+
+
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        return child(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prefix", type=int, default=4096)
@@ -177,39 +209,31 @@ def main() -> int:
         if "ram" in tiers:
             eng = Engine.from_pretrained(args.model, cache=CacheConfig(ram_cache_bytes=2 * 2**30))
             eng.generate(prefix + suffixes[0], ONE)
-            warm = [eng.generate(prefix + s, ONE) for s in suffixes[1:]]
+            warm = [_timing(eng.generate(prefix + s, ONE)) for s in suffixes[1:]]
             eng.close()
             bw = memory_bandwidth()
             rows.append(("ram", warm, bw, "memory copy"))
         if "ssd" in tiers:
-            cfg = CacheConfig(
-                ram_cache_bytes=2 * 2**30,
-                ssd_cache_dir=ssd_dir,
-                ssd_cache_bytes=8 * 2**30,
-                hash_seed=b"bench",
-            )
-            eng = Engine.from_pretrained(args.model, cache=cfg)
-            eng.generate(prefix + suffixes[0], ONE)
-            eng.close()
+            cfg = {
+                "ram_cache_bytes": 2 * 2**30,
+                "ssd_cache_dir": str(ssd_dir),
+                "ssd_cache_bytes": 8 * 2**30,
+                "hash_seed": "bench",
+            }
+            restarted(args.model, cfg, prefix + suffixes[0])
             bw = disk_bandwidth(Path(tmp))
             warm = []
             for s in suffixes[1:]:  # a restart for each run: empty RAM, cold page cache
                 drop_page_cache(ssd_dir)
-                eng = Engine.from_pretrained(args.model, cache=cfg)
-                warm.append(eng.generate(prefix + s, ONE))
-                eng.close()
+                warm.append(restarted(args.model, cfg, prefix + s))
             rows.append(("ssd", warm, bw, "disk sequential read"))
         if "redis" in tiers:
-            url = args.redis_url or start_redis(Path(tmp))
-            cfg = CacheConfig(ram_cache_bytes=2 * 2**30, redis_url=url)
-            eng = Engine.from_pretrained(args.model, cache=cfg)
-            eng.generate(prefix + suffixes[0], ONE)
-            eng.close()
-            warm = []
-            for s in suffixes[1:]:
-                eng = Engine.from_pretrained(args.model, cache=cfg)
-                warm.append(eng.generate(prefix + s, ONE))
-                eng.close()
+            cfg = {
+                "ram_cache_bytes": 2 * 2**30,
+                "redis_url": args.redis_url or start_redis(Path(tmp)),
+            }
+            restarted(args.model, cfg, prefix + suffixes[0])
+            warm = [restarted(args.model, cfg, prefix + s) for s in suffixes[1:]]
             rows.append(("redis", warm, float("nan"), "n/a"))
 
     print(
@@ -222,8 +246,8 @@ def main() -> int:
         f"{'warm/limit':>10}  bandwidth"
     )
     for name, warm, bw, what in rows:
-        t = statistics.median(r.ttft_s for r in warm)
-        cached = min(r.cached_tokens for r in warm)
+        t = statistics.median(ttft for ttft, _ in warm)
+        cached = min(n for _, n in warm)
         limit = prefill + kv_bytes / bw if bw == bw else float("nan")
         print(
             f"{name:6} {cached:>7} {t * 1000:>8.1f} {cold / t:>9.1f} {limit * 1000:>9.1f} "
