@@ -2,56 +2,27 @@
 
 from __future__ import annotations
 
-import json
-import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import redis as redis_py
+from engine_helpers import BS, GREEDY, random_prompt, reference_outputs, run_worker
 
-from pagedkv import CacheConfig, Engine, SamplingParams
-
-BS = 8
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-WORKER = Path(__file__).with_name("engine_worker.py")
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 200) for _ in range(n)]
-
-
-def _run_worker(model: Path, cache: dict[str, Any], prompts: list[list[int]]) -> list[dict]:
-    spec = {"model": str(model), "cache": cache, "prompts": prompts, "max_tokens": 8}
-    out = subprocess.run(
-        [sys.executable, str(WORKER), json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=True,
-    )
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-
-
-def _reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    with Engine.from_pretrained(str(model), cache=CacheConfig(enable_prefix_caching=False)) as off:
-        return [off.generate(p, GREEDY).token_ids for p in prompts]
+from pagedkv import CacheConfig, Engine
 
 
 def test_second_engine_in_another_process_reuses_blocks(
     tiny_llama_dir: Path, redis_url: str
 ) -> None:
-    shared = _prompt(1, 40)
-    prompts = [shared + _prompt(2, 6), shared + _prompt(3, 9)]
-    want = _reference(tiny_llama_dir, prompts)
+    shared = random_prompt(1, 40)
+    prompts = [shared + random_prompt(2, 6), shared + random_prompt(3, 9)]
+    want = reference_outputs(tiny_llama_dir, prompts)
     cfg = CacheConfig(block_size=BS, redis_url=redis_url)
     with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as first:
         assert first.generate(prompts[0], GREEDY).token_ids == want[0]
     # another process: empty RAM, no SSD, the seed comes from Redis
-    *results, stats = _run_worker(
+    *results, stats = run_worker(
         tiny_llama_dir, {"block_size": BS, "redis_url": redis_url}, prompts
     )
     assert [r["token_ids"] for r in results] == want
@@ -65,8 +36,8 @@ def test_redis_killed_mid_run_never_fails_or_stalls(
     tiny_llama_dir: Path, redis_server_factory: Any
 ) -> None:
     server = redis_server_factory()
-    prompts = [_prompt(10 + i, 30 + 5 * i) for i in range(6)]
-    want = _reference(tiny_llama_dir, prompts)
+    prompts = [random_prompt(10 + i, 30 + 5 * i) for i in range(6)]
+    want = reference_outputs(tiny_llama_dir, prompts)
     cfg = CacheConfig(block_size=BS, redis_url=server.url)
     with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
         base = eng.generate(prompts[0], GREEDY)
@@ -82,7 +53,7 @@ def test_redis_killed_mid_run_never_fails_or_stalls(
         server.start()
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline:
-            eng.generate(_prompt(int(time.monotonic() * 1000), 20), GREEDY)
+            eng.generate(random_prompt(int(time.monotonic() * 1000), 20), GREEDY)
             eng.prefix.lower.flush(5.0)  # type: ignore[union-attr]
             if redis_py.Redis.from_url(server.url).dbsize() > 1:
                 break
@@ -91,8 +62,8 @@ def test_redis_killed_mid_run_never_fails_or_stalls(
 
 
 def test_corrupted_values_are_misses(tiny_llama_dir: Path, redis_url: str) -> None:
-    prompt = _prompt(20, 50)
-    want = _reference(tiny_llama_dir, [prompt])[0]
+    prompt = random_prompt(20, 50)
+    want = reference_outputs(tiny_llama_dir, [prompt])[0]
     cfg = CacheConfig(block_size=BS, redis_url=redis_url)
     with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
         eng.generate(prompt, GREEDY)
@@ -111,8 +82,8 @@ def test_corrupted_values_are_misses(tiny_llama_dir: Path, redis_url: str) -> No
 
 def test_small_maxmemory_lru_stays_correct(tiny_llama_dir: Path, redis_server_factory: Any) -> None:
     server = redis_server_factory(maxmemory="2mb")
-    prompts = [_prompt(30 + i, 120) for i in range(8)]
-    want = _reference(tiny_llama_dir, prompts)
+    prompts = [random_prompt(30 + i, 120) for i in range(8)]
+    want = reference_outputs(tiny_llama_dir, prompts)
     cfg = CacheConfig(block_size=BS, redis_url=server.url)
     with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
         for p in prompts:

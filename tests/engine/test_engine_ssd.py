@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -12,26 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from engine_helpers import BS, GREEDY, WORKER, random_prompt, reference_outputs
 
 from pagedkv import CacheConfig, Engine, SamplingParams
-
-BS = 8
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-WORKER = Path(__file__).with_name("engine_worker.py")
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 200) for _ in range(n)]
 
 
 def _cfg(ssd: Path, **kw: object) -> CacheConfig:
     return CacheConfig(block_size=BS, ssd_cache_dir=ssd, ssd_cache_bytes=64 * 2**20, **kw)  # type: ignore[arg-type]
-
-
-def _reference(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    with Engine.from_pretrained(str(model), cache=CacheConfig(enable_prefix_caching=False)) as off:
-        return [off.generate(p, GREEDY).token_ids for p in prompts]
 
 
 def _block_files(ssd: Path) -> list[Path]:
@@ -52,8 +38,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_restart_reuses_blocks_with_identical_output(tiny_llama_dir: Path, tmp_path: Path) -> None:
     ssd = tmp_path / "kv"
-    prompts = [_prompt(1, 43), _prompt(1, 43)[:30] + _prompt(2, 11)]
-    want = _reference(tiny_llama_dir, prompts)
+    prompts = [random_prompt(1, 43), random_prompt(1, 43)[:30] + random_prompt(2, 11)]
+    want = reference_outputs(tiny_llama_dir, prompts)
     with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
         assert eng.generate(prompts[0], GREEDY).token_ids == want[0]
     assert _block_files(ssd), "nothing was written to the SSD tier"
@@ -69,7 +55,7 @@ def test_restart_reuses_blocks_with_identical_output(tiny_llama_dir: Path, tmp_p
 
 def test_moved_model_hits_and_changed_weights_do_not(tiny_llama_dir: Path, tmp_path: Path) -> None:
     ssd = tmp_path / "kv"
-    prompt = _prompt(3, 40)
+    prompt = random_prompt(3, 40)
     with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
         eng.generate(prompt, GREEDY)
     moved = tmp_path / "elsewhere" / "model"
@@ -93,8 +79,8 @@ def test_damaged_files_are_misses_and_go_away(
     tiny_llama_dir: Path, tmp_path: Path, damage: str
 ) -> None:
     ssd = tmp_path / "kv"
-    prompt = _prompt(4, 48)
-    want = _reference(tiny_llama_dir, [prompt])[0]
+    prompt = random_prompt(4, 48)
+    want = reference_outputs(tiny_llama_dir, [prompt])[0]
     with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
         # one token: the KV on disk is exactly the prompt's 6 blocks, all read back below
         eng.generate(prompt, SamplingParams(max_tokens=1))
@@ -130,7 +116,7 @@ def test_kill_9_during_heavy_writes_then_check_is_clean(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     ssd = tmp_path / "kv"
-    prompts = [_prompt(100 + i, 150) for i in range(40)]
+    prompts = [random_prompt(100 + i, 150) for i in range(40)]
     spec = {
         "model": str(tiny_llama_dir),
         "prompts": prompts,
@@ -146,7 +132,7 @@ def test_kill_9_during_heavy_writes_then_check_is_clean(
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
     assert _block_files(ssd)
-    want = _reference(tiny_llama_dir, prompts[:3])
+    want = reference_outputs(tiny_llama_dir, prompts[:3])
     with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
         got = [eng.generate(p, GREEDY).token_ids for p in prompts[:3]]
     assert got == want
@@ -156,8 +142,8 @@ def test_kill_9_during_heavy_writes_then_check_is_clean(
 
 def test_two_processes_share_one_directory(tiny_llama_dir: Path, tmp_path: Path) -> None:
     ssd = tmp_path / "kv"
-    shared = _prompt(7, 40)
-    prompts = [shared + _prompt(8 + i, 10) for i in range(4)]
+    shared = random_prompt(7, 40)
+    prompts = [shared + random_prompt(8 + i, 10) for i in range(4)]
     spec = {
         "model": str(tiny_llama_dir),
         "prompts": prompts,
@@ -175,7 +161,7 @@ def test_two_processes_share_one_directory(tiny_llama_dir: Path, tmp_path: Path)
     ]
     outs = [p.communicate(timeout=180) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    want = _reference(tiny_llama_dir, prompts)
+    want = reference_outputs(tiny_llama_dir, prompts)
     for out, _ in outs:
         results = [json.loads(line) for line in out.splitlines() if '"token_ids"' in line]
         assert [r["token_ids"] for r in results] == want
@@ -190,6 +176,6 @@ def test_library_default_writes_nothing_to_disk(
 ) -> None:
     monkeypatch.setenv("PAGEDKV_CACHE_HOME", str(tmp_path / "home"))
     with Engine.from_pretrained(str(tiny_llama_dir), cache=CacheConfig(block_size=BS)) as eng:
-        eng.generate(_prompt(9, 30), GREEDY)
+        eng.generate(random_prompt(9, 30), GREEDY)
         assert "ssd" not in eng.cache_stats()["tiers"]
     assert not (tmp_path / "home" / "kv").exists()
