@@ -293,13 +293,14 @@ class Engine:
         # Room for the prompt and the first answer tokens; a longer answer grows it.
         capacity = len(prompt) + min(max_tokens, 256)
         try:
-            cache = adapter.new_cache(capacity)
-            if prefix is not None:
-                lease, reuse = prefix.lookup(prompt, req.extra, limit=len(prompt) - 1)
+            if prefix is None:
+                cache = adapter.new_cache(capacity)
+            else:
+                cache, buffers = adapter.cache_with_buffers(capacity)
+                lease, reuse = prefix.lookup(prompt, req.extra, len(prompt) - 1, buffers)
                 cached = reuse.num_tokens
-                if cached:
-                    cache, restored = adapter.restore_cache(cached, capacity)
-                    prefix.restore(lease, reuse, restored)
+                prefix.restore(lease, reuse, buffers[:, :, :, :cached])
+                adapter.set_cache_length(cache, cached)
             logits = None
             for start in range(cached, len(prompt), PREFILL_CHUNK):
                 logits, cache = adapter.forward(prompt[start : start + PREFILL_CHUNK], cache)

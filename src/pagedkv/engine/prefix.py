@@ -6,8 +6,10 @@ readable from other threads.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,9 +77,17 @@ class PrefixCache:
 
     # -- lookup -------------------------------------------------------------
 
-    def lookup(self, tokens: list[int], extra: ExtraKeys | None, limit: int) -> tuple[Lease, Reuse]:
+    def lookup(
+        self,
+        tokens: list[int],
+        extra: ExtraKeys | None,
+        limit: int,
+        out: torch.Tensor | None = None,
+    ) -> tuple[Lease, Reuse]:
         """Find the longest cached prefix of `tokens` in any tier, at most `limit` tokens
-        of it. The lease holds the RAM blocks it reuses until `release`."""
+        of it. The lease holds the RAM blocks it reuses until `release`. `out` is where
+        `restore` will write: while a lower tier reads, another thread faults its
+        pages in, which would otherwise be a third of the restore's time."""
         lease = Lease(extra)
         chain = self.hasher.chain(tokens, extra)
         bs = self.block_size
@@ -90,9 +100,17 @@ class PrefixCache:
         self.ram_hit_blocks += len(match.blocks)
         reuse = Reuse()
         if self.lower and len(full) < len(chain.hashes):
+            prefault: list[threading.Thread] = []
+
+            def start_prefault() -> None:
+                if out is not None:
+                    prefault.append(_prefault(out))
+
             reuse.promote = self.lower.fetch_full(
-                chain.hashes, chain.parent_keys, chain.tokens, len(full), bs
+                chain.hashes, chain.parent_keys, chain.tokens, len(full), bs, start_prefault
             )
+            for thread in prefault:
+                thread.join()
         if reuse.promote and lease.partial is not None:  # whole blocks beat a partial match
             self.pool.free([lease.partial])
             lease.partial, ram_tokens = None, len(full) * bs
@@ -250,3 +268,15 @@ class PrefixCache:
     def close(self, timeout: float) -> None:
         self.lower.flush(timeout)
         self.lower.close()
+
+
+def _prefault(t: torch.Tensor) -> threading.Thread:
+    """Touch every page of `t`'s memory on another thread. memset through ctypes,
+    not a torch op: ctypes drops the GIL, and a torch op on a second thread would
+    leave an OpenMP team behind that slows the worker's forwards."""
+    storage = t.untyped_storage()
+    thread = threading.Thread(
+        target=ctypes.memset, args=(storage.data_ptr(), 0, storage.nbytes()), daemon=True
+    )
+    thread.start()
+    return thread

@@ -59,6 +59,11 @@ class GrowableLayer(DynamicLayer):
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
         self.is_initialized = True
 
+    def set_length(self, length: int) -> None:
+        """Declare the first `length` tokens of the buffers filled (by `adopt`'s caller)."""
+        assert self._k is not None and self._v is not None
+        self.adopt(self._k, self._v, length)
+
     def reset(self) -> None:
         super().reset()
         self._k = self._v = None

@@ -123,9 +123,9 @@ class ModelAdapter:
     Invariants: `forward` always runs under `torch.inference_mode()`, so cache
     tensors it produces are inference tensors (read them anywhere; write into
     them only inside inference mode). Caches from `new_cache`, `build_cache` and
-    `restore_cache` own their buffers (GrowableLayer): `build_cache` copies the
-    tensors it is given, and `restore_cache` hands out a view to fill before the
-    first forward. Not thread-safe: one worker owns the adapter.
+    `cache_with_buffers` own their buffers (GrowableLayer): `build_cache` copies
+    the tensors it is given, and `cache_with_buffers` hands out its memory to
+    fill before the first forward. Not thread-safe: one worker owns the adapter.
     """
 
     def __init__(
@@ -242,22 +242,27 @@ class ModelAdapter:
             cache.layers[i].update(keys, values)
         return cache
 
-    def restore_cache(self, num_tokens: int, capacity: int = 0) -> tuple[Any, torch.Tensor]:
-        """A cache that holds `num_tokens` tokens, and the `[num_layers, 2, kv_heads,
-        num_tokens, head_dim]` view of its buffers the caller must fill with their KV
-        before the first forward. Restoring straight into the buffers the model
-        attends over saves copying the prefix twice."""
+    def cache_with_buffers(self, capacity: int) -> tuple[Any, torch.Tensor]:
+        """An empty cache whose layers keep their KV in one allocation, and that
+        allocation as `[num_layers, 2, kv_heads, capacity, head_dim]`. A caller
+        restoring a prefix writes its first tokens there, then `set_cache_length`:
+        restoring straight into the buffers the model attends over saves a copy."""
         if not self.prefix_caching_supported:
             raise ModelNotSupportedError(
                 f"cannot restore KV into {self.name}: {self.unsupported_reason}"
             )
-        cap = max(capacity, num_tokens)
-        shape = (self.num_layers, 2, 1, self.num_kv_heads, cap, self.head_dim)
+        shape = (self.num_layers, 2, 1, self.num_kv_heads, capacity, self.head_dim)
         buffers = torch.empty(shape, dtype=self.dtype, device=self.device)
-        cache = self.new_cache(cap)
+        cache = self.new_cache(capacity)
         for i, layer in enumerate(cache.layers):
-            layer.adopt(buffers[i, 0], buffers[i, 1], num_tokens)
-        return cache, buffers[:, :, 0, :, :num_tokens]
+            layer.adopt(buffers[i, 0], buffers[i, 1], 0)
+        return cache, buffers[:, :, 0]
+
+    @staticmethod
+    def set_cache_length(cache: Any, num_tokens: int) -> None:
+        """Declare the first `num_tokens` of a `cache_with_buffers` cache filled."""
+        for layer in cache.layers:
+            layer.set_length(num_tokens)
 
     def cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer `(keys, values)` `[1, kv_heads, tokens, head_dim]` of a cache (views)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,8 +55,10 @@ class LowerTiers:
         tokens: np.ndarray,
         start: int,
         block_size: int,
+        before_read: Callable[[], object] | None = None,
     ) -> list[Found]:
-        """The run of full blocks `start, start+1, ...` that some tier holds, verified."""
+        """The run of full blocks `start, start+1, ...` that some tier holds, verified.
+        `before_read` is called once the run is known to be non-empty, before reading it."""
         wanted = list(hashes[start:])
         if not wanted or not self.tiers:
             return []
@@ -69,6 +71,8 @@ class LowerTiers:
                 if present:
                     owner[i] = tier
         run = next((i for i, o in enumerate(owner) if o is None), len(owner))
+        if run and before_read is not None:
+            before_read()
         found: list[Found | None] = [None] * run
         for tier in self.tiers:
             idx = [i for i in range(run) if owner[i] is tier]
