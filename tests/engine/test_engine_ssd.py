@@ -179,3 +179,25 @@ def test_library_default_writes_nothing_to_disk(
         eng.generate(random_prompt(9, 30), GREEDY)
         assert "ssd" not in eng.cache_stats()["tiers"]
     assert not (tmp_path / "home" / "kv").exists()
+
+
+def test_a_failing_lower_tier_fails_the_request_cleanly(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ssd = tmp_path / "kv"
+    prompt = random_prompt(11, 40)
+    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+        eng.generate(prompt, GREEDY)
+    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+        assert eng.prefix is not None
+        tier = eng.prefix.lower.tiers[0]
+
+        def broken(hashes: list[bytes]) -> list[object]:
+            raise RuntimeError("disk on fire")
+
+        monkeypatch.setattr(tier, "get", broken)
+        with pytest.raises(RuntimeError, match="disk on fire"):
+            eng.generate(prompt, GREEDY)
+        assert eng.cache_stats()["pool"]["allocated"] == 0, "the failed lookup leaked blocks"
+        monkeypatch.undo()
+        assert eng.generate(prompt, GREEDY).cached_tokens == len(prompt) - 1

@@ -106,11 +106,16 @@ class PrefixCache:
                 if out is not None:
                     prefault.append(_prefault(out))
 
-            reuse.promote = self.lower.fetch_full(
-                chain.hashes, chain.parent_keys, chain.tokens, len(full), bs, start_prefault
-            )
-            for thread in prefault:
-                thread.join()
+            try:
+                reuse.promote = self.lower.fetch_full(
+                    chain.hashes, chain.parent_keys, chain.tokens, len(full), bs, start_prefault
+                )
+            except BaseException:
+                self.release(lease)  # the caller never gets this lease
+                raise
+            finally:
+                for thread in prefault:  # never leave a thread writing into `out`
+                    thread.join()
         if reuse.promote and lease.partial is not None:  # whole blocks beat a partial match
             self.pool.free([lease.partial])
             lease.partial, ram_tokens = None, len(full) * bs
