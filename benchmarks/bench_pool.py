@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from naive_pool import NaivePool
 
-from pagedkv.hashing import BlockHasher
-from pagedkv.pool import BlockPool
+from pagedkv.cache.hashing import BlockHasher
+from pagedkv.cache.pool import BlockPool
 
 BLOCK_SIZE = 64
 PROMPT_TOKENS = 128 * 1024

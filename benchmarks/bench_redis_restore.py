@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from pagedkv.storage.base import BlockMeta, KVBlock
-from pagedkv.storage.redis import RedisStore
+from pagedkv.storage.redis.store import RedisStore
 
 SHAPE = (30, 2, 3, 64, 64)
 NAMESPACE = "bench"

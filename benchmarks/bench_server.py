@@ -87,7 +87,7 @@ def main() -> int:
         stderr=subprocess.DEVNULL,
         env=os.environ.copy(),
     )
-    engine = Engine.from_pretrained(args.model, cache=CacheConfig(enable_prefix_caching=False))
+    engine = Engine.from_pretrained(args.model, config=CacheConfig(enable_prefix_caching=False))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     try:
         deadline = time.monotonic() + 120

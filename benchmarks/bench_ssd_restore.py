@@ -9,7 +9,7 @@ KV [30, 2, 3, 64, 64] = 2.9 MiB per block), then alternates two cold reads:
 
 Before each read the page cache is dropped for every file involved
 (`posix_fadvise(POSIX_FADV_DONTNEED)` after a sync), so both come from the disk.
-The target (SPEC §9) is restore >= 70% of sequential.
+The target is restore >= 70% of sequential.
 
     .venv/bin/python benchmarks/bench_ssd_restore.py [--dir DIR] [--total-mib 384]
 """
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pagedkv.storage.base import BlockMeta, KVBlock
-from pagedkv.storage.ssd import SSDStore
+from pagedkv.storage.ssd.store import SSDStore
 
 SHAPE = (30, 2, 3, 64, 64)  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; 64 tokens
 MiB = 1024**2

@@ -164,7 +164,7 @@ def restarted(model: str, cache: dict[str, object], prompt: list[int]) -> tuple[
 
 def child(spec_json: str) -> int:
     spec = json.loads(spec_json)
-    with Engine.from_pretrained(spec["model"], cache=CacheConfig(**spec["cache"])) as eng:
+    with Engine.from_pretrained(spec["model"], config=CacheConfig(**spec["cache"])) as eng:
         print(json.dumps(_timing(eng.generate(spec["prompt"], ONE))))
     return 0
 
@@ -182,7 +182,7 @@ def main() -> int:
     args = ap.parse_args()
     tiers = args.tiers.split(",")
 
-    off = Engine.from_pretrained(args.model, cache=CacheConfig(enable_prefix_caching=False))
+    off = Engine.from_pretrained(args.model, config=CacheConfig(enable_prefix_caching=False))
     vocab = off.adapter.model.config.vocab_size
     prefix = prompt_ids(args.prefix, 0, vocab)
     suffixes = [prompt_ids(args.suffix, 1 + i, vocab) for i in range(args.runs + 1)]
@@ -207,7 +207,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=os.environ.get("PAGEDKV_BENCH_DIR")) as tmp:
         ssd_dir = Path(tmp) / "kv"
         if "ram" in tiers:
-            eng = Engine.from_pretrained(args.model, cache=CacheConfig(ram_cache_bytes=2 * 2**30))
+            eng = Engine.from_pretrained(args.model, config=CacheConfig(ram_cache_bytes=2 * 2**30))
             eng.generate(prefix + suffixes[0], ONE)
             warm = [_timing(eng.generate(prefix + s, ONE)) for s in suffixes[1:]]
             eng.close()

@@ -19,7 +19,7 @@ class NaiveBlock:
     block_id: int
     ref_count: int = 0
     block_hash: str | None = None
-    parent_hash: str | None = None
+    parent_key: str | None = None
     token_ids: list[int] = field(default_factory=list)
     serial: int = 0
 
@@ -79,12 +79,12 @@ class NaivePool:
         return out
 
     def uncache(self, block: NaiveBlock) -> None:
-        assert block.block_hash is not None and block.parent_hash is not None
+        assert block.block_hash is not None and block.parent_key is not None
         del self.cached[block.block_hash]
-        del self.children[block.parent_hash][block.block_id]
-        if not self.children[block.parent_hash]:
-            del self.children[block.parent_hash]
-        block.block_hash = block.parent_hash = None
+        del self.children[block.parent_key][block.block_id]
+        if not self.children[block.parent_key]:
+            del self.children[block.parent_key]
+        block.block_hash = block.parent_key = None
         block.token_ids = []
         block.serial = 0
 
@@ -114,7 +114,7 @@ class NaivePool:
             if (
                 block is None
                 or block.serial <= last
-                or block.parent_hash != parent
+                or block.parent_key != parent
                 or block.token_ids != tokens[i * bs : (i + 1) * bs]
             ):
                 break
@@ -143,7 +143,7 @@ class NaivePool:
             block, chunk = blocks[i], tokens[i * bs : (i + 1) * bs]
             h = hashes[i] if i < len(hashes) else self.block_hash(parent, chunk)
             holder = self.cached.get(h)
-            if holder is not None and (holder.parent_hash != parent or holder.token_ids != chunk):
+            if holder is not None and (holder.parent_key != parent or holder.token_ids != chunk):
                 break
             if holder is not None and holder.serial <= last:
                 self.uncache(holder)
@@ -156,7 +156,7 @@ class NaivePool:
                 if block.block_hash is not None:
                     break
                 self.serial += 1
-                block.block_hash, block.parent_hash = h, parent
+                block.block_hash, block.parent_key = h, parent
                 block.token_ids, block.serial = list(chunk), self.serial
                 self.cached[h] = block
                 self.children.setdefault(parent, {})[block.block_id] = block

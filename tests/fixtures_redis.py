@@ -184,7 +184,7 @@ def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
 
 def make_block(
     namespace: str,
-    parent_hash: bytes,
+    parent_key: bytes,
     token_ids: np.ndarray,
     *,
     seed: int = 0,
@@ -198,8 +198,8 @@ def make_block(
     gen = torch.Generator().manual_seed(seed)
     shape = (num_layers, 2, kv_heads, len(tokens), head_dim)
     kv = torch.randn(shape, generator=gen).to(dtype)
-    block_hash = xxhash.xxh3_128_digest(parent_hash + tokens.tobytes())
-    return KVBlock(BlockMeta(block_hash, parent_hash, tokens, namespace), kv)
+    block_hash = xxhash.xxh3_128_digest(parent_key + tokens.tobytes())
+    return KVBlock(BlockMeta(block_hash, parent_key, tokens, namespace), kv)
 
 
 def make_chain(

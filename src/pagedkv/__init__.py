@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .config import CacheConfig, parse_size
-from .errors import (
+from pagedkv.cache.hashing import BlockHasher, ExtraKeys
+from pagedkv.cache.pool import Block, BlockPool, BlockTable, PoolStats, PrefixMatch
+from pagedkv.config import CacheConfig, parse_size
+from pagedkv.errors import (
     CacheCorruptionError,
     EngineOverloadedError,
     ModelNotSupportedError,
     OutOfBlocksError,
     PagedKVError,
 )
-from .hashing import BlockHasher, ExtraKeys
-from .pool import Block, BlockPool, BlockTable, PoolStats, PrefixMatch
 
 if TYPE_CHECKING:
-    from .engine import Engine, GenerationResult, SamplingParams, StreamEvent
+    from pagedkv.engine import Engine, GenerationResult, SamplingParams, StreamEvent
 
 _LAZY = {
     "Engine": "pagedkv.engine",

@@ -9,108 +9,21 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import CacheConfig, default_ssd_cache_dir, parse_size
-
-DEFAULT_MODEL = "smollm2-135m"
-
-
-def _env(flag: str, default: Any = None) -> Any:
-    return os.environ.get("PAGEDKV_" + flag.lstrip("-").replace("-", "_").upper(), default)
-
-
-def _env_bool(flag: str) -> bool:
-    return str(_env(flag, "")).lower() in ("1", "true", "yes", "on")
-
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=_env("--model", DEFAULT_MODEL),
-        help=f"model directory or the bundled '{DEFAULT_MODEL}' (default)",
-    )
-    p.add_argument("--device", default=_env("--device", "auto"), choices=["auto", "cpu", "cuda"])
-    p.add_argument(
-        "--dtype",
-        default=_env("--dtype", "auto"),
-        choices=["auto", "float32", "bfloat16", "float16"],
-    )
-    p.add_argument(
-        "--log-level",
-        default=_env("--log-level", "info"),
-        choices=["debug", "info", "warning", "error"],
-    )
-
-
-def _add_cache_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--block-size",
-        type=int,
-        default=int(_env("--block-size", 64)),
-        help="tokens per KV block, a power of two (default 64)",
-    )
-    p.add_argument(
-        "--ram-cache",
-        default=_env("--ram-cache"),
-        help="RAM tier budget, e.g. 2GB (default: 25%% of available memory, <= 8 GiB)",
-    )
-    p.add_argument(
-        "--ssd-cache-dir",
-        default=_env("--ssd-cache-dir", str(default_ssd_cache_dir())),
-        help="persistent SSD tier directory (default ~/.cache/pagedkv/kv)",
-    )
-    p.add_argument(
-        "--ssd-cache",
-        default=_env("--ssd-cache"),
-        help="SSD tier capacity, e.g. 20GiB (default min(20 GiB, 10%% of free disk))",
-    )
-    p.add_argument(
-        "--no-ssd-cache",
-        action="store_true",
-        default=_env_bool("--no-ssd-cache"),
-        help="keep the cache in RAM only",
-    )
-    p.add_argument(
-        "--redis-url",
-        default=_env("--redis-url"),
-        help="shared Redis tier, e.g. redis://127.0.0.1:6379/0",
-    )
-    p.add_argument(
-        "--hash-algorithm",
-        default=_env("--hash-algorithm", "xxh3_128"),
-        choices=["xxh3_128", "sha256"],
-    )
-    p.add_argument(
-        "--no-prefix-cache",
-        action="store_true",
-        default=_env_bool("--no-prefix-cache"),
-        help="turn prefix caching off",
-    )
-
-
-def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
-    return CacheConfig(
-        block_size=args.block_size,
-        ram_cache_bytes=parse_size(args.ram_cache) if args.ram_cache else None,
-        ssd_cache_dir=None if args.no_ssd_cache else Path(args.ssd_cache_dir).expanduser(),
-        ssd_cache_bytes=parse_size(args.ssd_cache) if args.ssd_cache else None,
-        redis_url=args.redis_url or None,
-        hash_algorithm=args.hash_algorithm,
-        enable_prefix_caching=not args.no_prefix_cache,
-    )
+from pagedkv.config import default_ssd_cache_dir
+from pagedkv.flags import add_cache_flags, add_model_flags, cache_config_from_args, env
 
 
 def _load_engine(args: argparse.Namespace) -> Any:
-    from .engine import Engine
+    from pagedkv.engine import Engine
 
     return Engine.from_pretrained(
         args.model,
-        cache=cache_config_from_args(args),
+        config=cache_config_from_args(args),
         device=args.device,
         dtype=args.dtype,
         max_queue=getattr(args, "max_queue", 64),
@@ -118,7 +31,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .engine import SamplingParams
+    from pagedkv.engine import SamplingParams
 
     engine = _load_engine(args)
     try:
@@ -147,7 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server.serve import load_api_keys, run_server
+    from pagedkv.server.serve import load_api_keys, run_server
 
     keys = list(args.api_key or [])
     if args.api_keys_file:
@@ -164,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench.run import main as bench_main
+    from pagedkv.bench.run import main as bench_main
 
     return bench_main(args)
 
@@ -172,7 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from .storage.ssd_maintenance import cache_stats, check_cache, clear_cache
+    from pagedkv.storage.ssd.maintenance import cache_stats, check_cache, clear_cache
 
     directory = Path(args.ssd_cache_dir).expanduser()
     if not (directory / "index.sqlite").exists():
@@ -207,46 +120,46 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    _add_model_flags(serve)
-    _add_cache_flags(serve)
-    serve.add_argument("--host", default=_env("--host", "127.0.0.1"))
-    serve.add_argument("--port", type=int, default=int(_env("--port", 8000)))
+    add_model_flags(serve)
+    add_cache_flags(serve)
+    serve.add_argument("--host", default=env("--host", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=int(env("--port", 8000)))
     serve.add_argument(
         "--api-key",
         action="append",
-        default=[k for k in str(_env("--api-key", "")).split(",") if k],
+        default=[k for k in str(env("--api-key", "")).split(",") if k],
         help="accept this API key (repeatable); none = no authentication",
     )
     serve.add_argument(
-        "--api-keys-file", default=_env("--api-keys-file"), help="file with one API key per line"
+        "--api-keys-file", default=env("--api-keys-file"), help="file with one API key per line"
     )
     serve.add_argument(
         "--admin-key",
         action="append",
-        default=[k for k in str(_env("--admin-key", "")).split(",") if k],
+        default=[k for k in str(env("--admin-key", "")).split(",") if k],
         help="a key that may also clear the cache (repeatable; default: every key)",
     )
     serve.add_argument(
         "--max-queue",
         type=int,
-        default=int(_env("--max-queue", 64)),
+        default=int(env("--max-queue", 64)),
         help="requests queued or running before new ones get 429 (default 64)",
     )
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    _add_model_flags(gen)
-    _add_cache_flags(gen)
+    add_model_flags(gen)
+    add_cache_flags(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=int(_env("--max-tokens", 128)))
-    gen.add_argument("--temperature", type=float, default=float(_env("--temperature", 0.0)))
+    gen.add_argument("--max-tokens", type=int, default=int(env("--max-tokens", 128)))
+    gen.add_argument("--temperature", type=float, default=float(env("--temperature", 0.0)))
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="measure prefix reuse on realistic workloads")
-    _add_model_flags(bench)
-    _add_cache_flags(bench)
+    add_model_flags(bench)
+    add_cache_flags(bench)
     bench.add_argument(
         "--workload",
         action="append",
@@ -254,10 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="workload to run (repeatable; default: all)",
     )
     bench.add_argument("--quick", action="store_true", help="small sizes, minutes not hours")
-    bench.add_argument("--out", default=_env("--out"), help="write results.json and a plot here")
+    bench.add_argument("--out", default=env("--out"), help="write results.json and a plot here")
     bench.add_argument(
         "--url",
-        default=_env("--url"),
+        default=env("--url"),
         help="run against a running OpenAI-compatible server instead",
     )
     bench.add_argument("--seed", type=int, default=0)
@@ -266,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache = sub.add_parser("cache", help="inspect or repair the SSD tier")
     cache.add_argument("action", choices=["stats", "check", "clear"])
     cache.add_argument(
-        "--ssd-cache-dir", default=_env("--ssd-cache-dir", str(default_ssd_cache_dir()))
+        "--ssd-cache-dir", default=env("--ssd-cache-dir", str(default_ssd_cache_dir()))
     )
     cache.add_argument("--fix", action="store_true", help="with check: repair what it finds")
     cache.add_argument("--namespace", default=None, help="with clear: only this model namespace")

@@ -88,7 +88,7 @@ def server_url(tiny_llama_dir: Path) -> Iterator[str]:
     from pagedkv.server.app import create_app
 
     engine = Engine.from_pretrained(
-        str(tiny_llama_dir), cache=CacheConfig(block_size=8, ram_cache_bytes=64 * 2**20)
+        str(tiny_llama_dir), config=CacheConfig(block_size=8, ram_cache_bytes=64 * 2**20)
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -23,7 +23,7 @@ def random_prompt(seed: int, n: int) -> list[int]:
 
 def reference_outputs(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy token ids with prefix caching off: what every cached run must equal."""
-    with Engine.from_pretrained(str(model), cache=CacheConfig(enable_prefix_caching=False)) as off:
+    with Engine.from_pretrained(str(model), config=CacheConfig(enable_prefix_caching=False)) as off:
         return [off.generate(p, GREEDY).token_ids for p in prompts]
 
 

@@ -7,6 +7,7 @@ cached_tokens, then the cache stats.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -15,7 +16,7 @@ from pagedkv import CacheConfig, Engine, SamplingParams
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    engine = Engine.from_pretrained(spec["model"], cache=CacheConfig(**spec["cache"]))
+    engine = Engine.from_pretrained(spec["model"], config=CacheConfig(**spec["cache"]))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     for prompt in spec["prompts"]:
         r = engine.generate(prompt, params)
@@ -31,7 +32,7 @@ def main() -> None:
         )
     stats = engine.cache_stats()
     engine.close()
-    print(json.dumps({"stats": stats}, default=str), flush=True)
+    print(json.dumps({"stats": dataclasses.asdict(stats)}, default=str), flush=True)
 
 
 if __name__ == "__main__":

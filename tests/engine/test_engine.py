@@ -21,7 +21,7 @@ def _rand_prompt(rng: random.Random, n: int, vocab: int = 200) -> list[int]:
 def _check_released(engine: Engine) -> None:
     if engine.prefix is not None:
         engine._call(engine.prefix.pool.check)
-        assert engine.cache_stats()["pool"]["allocated"] == 0, "a request leaked block references"
+        assert engine.cache_stats().cache.pool.allocated == 0, "a request leaked block references"
 
 
 @pytest.fixture(params=["llama", "qwen2"])
@@ -33,9 +33,9 @@ def model_dir(request: pytest.FixtureRequest, tiny_llama_dir: Path, tiny_qwen2_d
 def engines(model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
     """(cached, uncached) engines over the same model."""
     on = Engine.from_pretrained(
-        str(model_dir), cache=CacheConfig(block_size=BS, ram_cache_bytes=64 * 2**20)
+        str(model_dir), config=CacheConfig(block_size=BS, ram_cache_bytes=64 * 2**20)
     )
-    off = Engine.from_pretrained(str(model_dir), cache=CacheConfig(enable_prefix_caching=False))
+    off = Engine.from_pretrained(str(model_dir), config=CacheConfig(enable_prefix_caching=False))
     yield on, off
     _check_released(on)
     on.close()
@@ -118,21 +118,21 @@ def test_mid_block_match(engines: tuple[Engine, Engine]) -> None:
 
 
 def test_small_ram_budget_forces_evictions_and_stays_exact(model_dir: Path) -> None:
-    probe = Engine.from_pretrained(str(model_dir), cache=CacheConfig(block_size=BS))
+    probe = Engine.from_pretrained(str(model_dir), config=CacheConfig(block_size=BS))
     assert probe.prefix is not None
     bpb = probe.prefix.ram.layout.bytes_per_block
     probe.close()
     on = Engine.from_pretrained(
-        str(model_dir), cache=CacheConfig(block_size=BS, ram_cache_bytes=12 * bpb)
+        str(model_dir), config=CacheConfig(block_size=BS, ram_cache_bytes=12 * bpb)
     )
-    off = Engine.from_pretrained(str(model_dir), cache=CacheConfig(enable_prefix_caching=False))
+    off = Engine.from_pretrained(str(model_dir), config=CacheConfig(enable_prefix_caching=False))
     rng = random.Random(6)
     prompts = [_rand_prompt(rng, rng.randrange(10, 60)) for _ in range(6)]
     for prompt in prompts * 2:
         assert on.generate(prompt, GREEDY).token_ids == off.generate(prompt, GREEDY).token_ids
-    stats = on.cache_stats()["pool"]
-    assert stats["evictions"] > 0
-    assert stats["num_blocks"] <= 13
+    stats = on.cache_stats().cache.pool
+    assert stats.evictions > 0
+    assert stats.num_blocks <= 13
     _check_released(on)
     on.close()
     off.close()
@@ -218,9 +218,9 @@ def test_sliding_window_model_runs_without_cache(
     tiny_sliding_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level("WARNING"):
-        eng = Engine.from_pretrained(str(tiny_sliding_dir), cache=CacheConfig(block_size=BS))
+        eng = Engine.from_pretrained(str(tiny_sliding_dir), config=CacheConfig(block_size=BS))
     off = Engine.from_pretrained(
-        str(tiny_sliding_dir), cache=CacheConfig(enable_prefix_caching=False)
+        str(tiny_sliding_dir), config=CacheConfig(enable_prefix_caching=False)
     )
     assert eng.prefix is None
     assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
@@ -245,7 +245,7 @@ def test_bad_input_is_refused_clearly(engines: tuple[Engine, Engine]) -> None:
 
 
 def test_close_with_requests_in_flight_ends_every_caller(model_dir: Path) -> None:
-    eng = Engine.from_pretrained(str(model_dir), cache=CacheConfig(block_size=BS))
+    eng = Engine.from_pretrained(str(model_dir), config=CacheConfig(block_size=BS))
     results: list[object] = []
 
     def call(i: int) -> None:
@@ -266,6 +266,6 @@ def test_close_with_requests_in_flight_ends_every_caller(model_dir: Path) -> Non
     for t in threads:
         t.join(30)
     assert len(results) == 6, "a caller was left waiting after close()"
-    assert eng.cache_stats()["pool"]["allocated"] == 0
+    assert eng.cache_stats().cache.pool.allocated == 0
     with pytest.raises(Exception, match="closed"):
         eng.generate([1, 2, 3], GREEDY)

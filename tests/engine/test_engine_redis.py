@@ -19,7 +19,7 @@ def test_second_engine_in_another_process_reuses_blocks(
     prompts = [shared + random_prompt(2, 6), shared + random_prompt(3, 9)]
     want = reference_outputs(tiny_llama_dir, prompts)
     cfg = CacheConfig(block_size=BS, redis_url=redis_url)
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as first:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as first:
         assert first.generate(prompts[0], GREEDY).token_ids == want[0]
     # another process: empty RAM, no SSD, the seed comes from Redis
     *results, stats = run_worker(
@@ -29,7 +29,7 @@ def test_second_engine_in_another_process_reuses_blocks(
     assert results[0]["cached_tokens"] == len(prompts[0]) - 1
     assert results[0]["tier_hits"].get("redis", 0) > 0
     assert results[1]["cached_tokens"] >= len(shared)
-    assert stats["stats"]["tiers"]["redis"]["hits"] > 0
+    assert stats["stats"]["cache"]["tiers"]["redis"]["hits"] > 0
 
 
 def test_redis_killed_mid_run_never_fails_or_stalls(
@@ -39,7 +39,7 @@ def test_redis_killed_mid_run_never_fails_or_stalls(
     prompts = [random_prompt(10 + i, 30 + 5 * i) for i in range(6)]
     want = reference_outputs(tiny_llama_dir, prompts)
     cfg = CacheConfig(block_size=BS, redis_url=server.url)
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as eng:
         base = eng.generate(prompts[0], GREEDY)
         assert base.token_ids == want[0]
         server.stop()
@@ -48,7 +48,7 @@ def test_redis_killed_mid_run_never_fails_or_stalls(
             r = eng.generate(prompt, GREEDY)
             assert r.token_ids == expected
             assert time.perf_counter() - t < base.total_s + 1.0
-        assert eng.cache_stats()["tiers"]["redis"]["errors"] > 0
+        assert eng.cache_stats().cache.tiers["redis"].errors > 0
         # Redis back on the same port: the tier resumes without a new engine.
         server.start()
         deadline = time.monotonic() + 40
@@ -65,7 +65,7 @@ def test_corrupted_values_are_misses(tiny_llama_dir: Path, redis_url: str) -> No
     prompt = random_prompt(20, 50)
     want = reference_outputs(tiny_llama_dir, [prompt])[0]
     cfg = CacheConfig(block_size=BS, redis_url=redis_url)
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as eng:
         eng.generate(prompt, GREEDY)
     client = redis_py.Redis.from_url(redis_url)
     for key in client.scan_iter("pagedkv:*"):
@@ -73,11 +73,11 @@ def test_corrupted_values_are_misses(tiny_llama_dir: Path, redis_url: str) -> No
             value = bytearray(client.get(key))
             value[-1] ^= 0xFF
             client.set(key, bytes(value))
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as eng:
         r = eng.generate(prompt, GREEDY)
         assert r.token_ids == want
         assert r.cached_tokens == 0
-        assert eng.cache_stats()["tiers"]["redis"]["corrupt"] > 0
+        assert eng.cache_stats().cache.tiers["redis"].corrupt > 0
 
 
 def test_small_maxmemory_lru_stays_correct(tiny_llama_dir: Path, redis_server_factory: Any) -> None:
@@ -85,9 +85,9 @@ def test_small_maxmemory_lru_stays_correct(tiny_llama_dir: Path, redis_server_fa
     prompts = [random_prompt(30 + i, 120) for i in range(8)]
     want = reference_outputs(tiny_llama_dir, prompts)
     cfg = CacheConfig(block_size=BS, redis_url=server.url)
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as eng:
         for p in prompts:
             eng.generate(p, GREEDY)
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=cfg) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as eng:
         got = [eng.generate(p, GREEDY).token_ids for p in prompts]
     assert got == want

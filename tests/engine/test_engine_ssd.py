@@ -40,10 +40,10 @@ def test_restart_reuses_blocks_with_identical_output(tiny_llama_dir: Path, tmp_p
     ssd = tmp_path / "kv"
     prompts = [random_prompt(1, 43), random_prompt(1, 43)[:30] + random_prompt(2, 11)]
     want = reference_outputs(tiny_llama_dir, prompts)
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         assert eng.generate(prompts[0], GREEDY).token_ids == want[0]
     assert _block_files(ssd), "nothing was written to the SSD tier"
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         first = eng.generate(prompts[0], GREEDY)
         second = eng.generate(prompts[1], GREEDY)
     assert first.token_ids == want[0] and second.token_ids == want[1]
@@ -56,11 +56,11 @@ def test_restart_reuses_blocks_with_identical_output(tiny_llama_dir: Path, tmp_p
 def test_moved_model_hits_and_changed_weights_do_not(tiny_llama_dir: Path, tmp_path: Path) -> None:
     ssd = tmp_path / "kv"
     prompt = random_prompt(3, 40)
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         eng.generate(prompt, GREEDY)
     moved = tmp_path / "elsewhere" / "model"
     shutil.copytree(tiny_llama_dir, moved)
-    with Engine.from_pretrained(str(moved), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(moved), config=_cfg(ssd)) as eng:
         assert eng.generate(prompt, GREEDY).cached_tokens == len(prompt) - 1
     import torch
     from safetensors.torch import load_file, save_file
@@ -70,7 +70,7 @@ def test_moved_model_hits_and_changed_weights_do_not(tiny_llama_dir: Path, tmp_p
     name = next(k for k in state if "embed" in k)
     state[name] = state[name] + torch.randn_like(state[name]) * 0.1
     save_file(state, weights, metadata={"format": "pt"})
-    with Engine.from_pretrained(str(moved), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(moved), config=_cfg(ssd)) as eng:
         assert eng.generate(prompt, GREEDY).cached_tokens == 0
 
 
@@ -81,7 +81,7 @@ def test_damaged_files_are_misses_and_go_away(
     ssd = tmp_path / "kv"
     prompt = random_prompt(4, 48)
     want = reference_outputs(tiny_llama_dir, [prompt])[0]
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         # one token: the KV on disk is exactly the prompt's 6 blocks, all read back below
         eng.generate(prompt, SamplingParams(max_tokens=1))
     victims = _block_files(ssd)
@@ -99,14 +99,14 @@ def test_damaged_files_are_misses_and_go_away(
             victim.write_bytes(os.urandom(victim.stat().st_size))
     leftover = victims[0].parent / (victims[0].name + f".tmp-{_dead_pid()}-abc")
     leftover.write_bytes(b"half a block")
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         r = eng.generate(prompt, GREEDY)
-        ssd_stats = eng.cache_stats()["tiers"]["ssd"]
+        ssd_stats = eng.cache_stats().cache.tiers["ssd"]
     assert r.token_ids == want
     assert r.cached_tokens == 0
     assert not leftover.exists()
     if damage != "delete":
-        assert ssd_stats["corrupt"] > 0
+        assert ssd_stats.corrupt > 0
     # every file left (rewritten by the run above) verifies: the bad ones are gone
     check = _cli("cache", "check", "--ssd-cache-dir", str(ssd))
     assert check.returncode == 0, check.stdout + check.stderr
@@ -133,7 +133,7 @@ def test_kill_9_during_heavy_writes_then_check_is_clean(
     proc.wait(30)
     assert _block_files(ssd)
     want = reference_outputs(tiny_llama_dir, prompts[:3])
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         got = [eng.generate(p, GREEDY).token_ids for p in prompts[:3]]
     assert got == want
     check = _cli("cache", "check", "--ssd-cache-dir", str(ssd))
@@ -167,7 +167,7 @@ def test_two_processes_share_one_directory(tiny_llama_dir: Path, tmp_path: Path)
         assert [r["token_ids"] for r in results] == want
     check = _cli("cache", "check", "--ssd-cache-dir", str(ssd))
     assert check.returncode == 0, check.stdout + check.stderr
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         assert eng.generate(prompts[2], GREEDY).cached_tokens == len(prompts[2]) - 1
 
 
@@ -175,9 +175,9 @@ def test_library_default_writes_nothing_to_disk(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PAGEDKV_CACHE_HOME", str(tmp_path / "home"))
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=CacheConfig(block_size=BS)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=CacheConfig(block_size=BS)) as eng:
         eng.generate(random_prompt(9, 30), GREEDY)
-        assert "ssd" not in eng.cache_stats()["tiers"]
+        assert "ssd" not in eng.cache_stats().cache.tiers
     assert not (tmp_path / "home" / "kv").exists()
 
 
@@ -186,9 +186,9 @@ def test_a_failing_lower_tier_fails_the_request_cleanly(
 ) -> None:
     ssd = tmp_path / "kv"
     prompt = random_prompt(11, 40)
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         eng.generate(prompt, GREEDY)
-    with Engine.from_pretrained(str(tiny_llama_dir), cache=_cfg(ssd)) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         assert eng.prefix is not None
         tier = eng.prefix.lower.tiers[0]
 
@@ -198,6 +198,6 @@ def test_a_failing_lower_tier_fails_the_request_cleanly(
         monkeypatch.setattr(tier, "get", broken)
         with pytest.raises(RuntimeError, match="disk on fire"):
             eng.generate(prompt, GREEDY)
-        assert eng.cache_stats()["pool"]["allocated"] == 0, "the failed lookup leaked blocks"
+        assert eng.cache_stats().cache.pool.allocated == 0, "the failed lookup leaked blocks"
         monkeypatch.undo()
         assert eng.generate(prompt, GREEDY).cached_tokens == len(prompt) - 1

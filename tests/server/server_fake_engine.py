@@ -15,9 +15,13 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pagedkv.cache.pool import PoolStats
+from pagedkv.cache.prefix import CacheStats
 from pagedkv.engine.request import GenerationResult, StreamEvent
 from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.stats import EngineStats, RequestCounters
 from pagedkv.errors import EngineOverloadedError, PagedKVError
+from pagedkv.storage.base import TierStats
 
 EOS = 300
 
@@ -176,43 +180,34 @@ class FakeEngine:
     def num_active_requests(self) -> int:
         return self.active
 
-    def cache_stats(self) -> dict[str, Any]:
+    def cache_stats(self) -> EngineStats:
         with self.lock:
-            return {
-                "pool": {
-                    "num_blocks": 64,
-                    "max_blocks": 64,
-                    "allocated": self.allocated,
-                    "free": 64 - self.allocated,
-                    "cached": 0,
-                    "shared": 0,
-                    "query_tokens": 0,
-                    "hit_tokens": 0,
-                    "hit_rate": 0.5,
-                    "evictions": 0,
-                    "cow_copies": 0,
-                },
-                "tiers": {
-                    "ram": {
-                        "name": "ram",
-                        "hits": self.hits,
-                        "misses": 1,
-                        "bytes_used": 1024,
-                        "capacity_bytes": 1 << 20,
-                        "writes_dropped": 0,
-                    },
-                    "ssd": {
-                        "name": "ssd",
-                        "hits": 0,
-                        "misses": 0,
-                        "writes_dropped": 3,
-                        "bytes_used": 0,
-                        "capacity_bytes": 1 << 30,
-                    },
-                    "redis": None,
-                },
-                "requests": {"active": self.active},
-            }
+            pool = PoolStats(
+                num_blocks=64,
+                max_blocks=64,
+                allocated=self.allocated,
+                free=64 - self.allocated,
+                cached=0,
+                shared=0,
+                query_tokens=0,
+                hit_tokens=0,
+                hit_rate=0.5,
+                evictions=0,
+                cow_copies=0,
+            )
+            tiers = {
+                "ram": TierStats("ram", hits=self.hits, misses=1, bytes_used=1024,
+                                 capacity_bytes=1 << 20),
+                "ssd": TierStats("ssd", writes_dropped=3, capacity_bytes=1 << 30,
+                                 location="/tmp/fake-ssd"),
+            }  # fmt: skip
+            return EngineStats(
+                model=self.model_name,
+                prefix_caching=True,
+                caching_off_reason=None,
+                requests=RequestCounters(requests=self.active),
+                cache=CacheStats("fake-namespace", self.block_size, 4, pool, tiers),
+            )
 
     def clear_cache(self) -> None:
         with self.lock:

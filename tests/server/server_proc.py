@@ -134,7 +134,7 @@ def main() -> int:
         block_size=a.block_size, ram_cache_bytes=a.ram_cache, ssd_cache_dir=a.ssd_cache_dir
     )
     engine = Engine.from_pretrained(
-        a.model, cache=cache, device="cpu", dtype="float32", max_queue=a.max_queue
+        a.model, config=cache, device="cpu", dtype="float32", max_queue=a.max_queue
     )
     return run_server(
         engine,

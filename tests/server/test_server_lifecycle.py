@@ -13,7 +13,7 @@ import httpx
 import pytest
 from server_proc import server_model_dir, start_server
 
-from pagedkv.storage.ssd_maintenance import cache_stats
+from pagedkv.storage.ssd.maintenance import cache_stats
 
 pytestmark = pytest.mark.slow
 __all__ = ["server_model_dir"]  # a fixture, used by name

@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from pagedkv.storage.base import BlockMeta, KVBlock
-from pagedkv.storage.ssd import SSDStore
+from pagedkv.storage.ssd.store import SSDStore
 
 SHAPE = (4, 2, 2, 16, 32)  # [layers, k/v, kv_heads, tokens, head_dim]: 32 KiB in float32
 NAMESPACE = "test-model"
@@ -55,7 +55,7 @@ def same_block(a: KVBlock, b: KVBlock) -> bool:
         and torch.equal(a.kv.contiguous().view(torch.uint8), b.kv.contiguous().view(torch.uint8))
         and np.array_equal(a.meta.token_ids, b.meta.token_ids)
         and a.meta.block_hash == b.meta.block_hash
-        and a.meta.parent_hash == b.meta.parent_hash
+        and a.meta.parent_key == b.meta.parent_key
         and a.meta.namespace == b.meta.namespace
     )
 

@@ -20,8 +20,8 @@ from fixtures_redis import make_block, make_chain
 
 import pagedkv
 from pagedkv.storage.base import KVBlock
-from pagedkv.storage.redis import MAX_CHILDREN, SEED_KEY, RedisStore
-from pagedkv.storage.redis_format import decode_block, encode_block
+from pagedkv.storage.redis.format import decode_frame, encode_frame
+from pagedkv.storage.redis.store import MAX_CHILDREN, SEED_KEY, RedisStore
 
 pytestmark = pytest.mark.redis
 
@@ -44,7 +44,7 @@ def open_store() -> Iterator[Callable[..., RedisStore]]:
 def assert_same_block(got: KVBlock | None, want: KVBlock) -> None:
     assert got is not None
     assert got.meta.block_hash == want.meta.block_hash
-    assert got.meta.parent_hash == want.meta.parent_hash
+    assert got.meta.parent_key == want.meta.parent_key
     assert got.meta.namespace == want.meta.namespace
     assert np.array_equal(got.meta.token_ids, want.meta.token_ids)
     assert got.kv.dtype == want.kv.dtype and got.kv.shape == want.kv.shape
@@ -89,11 +89,11 @@ def test_round_trip_is_bit_exact(redis_url: str, open_store, dtype: torch.dtype)
 
 def test_frame_codec_rejects_any_mismatch() -> None:
     block = make_block(NS, b"p" * 16, np.arange(8), seed=1)
-    frame = encode_block(block)
-    assert_same_block(decode_block(frame, block.meta.block_hash, NS), block)
-    assert_same_block(decode_block(bytearray(frame), block.meta.block_hash, NS), block)
-    assert decode_block(frame, b"x" * 16, NS) is None  # stored under another hash
-    assert decode_block(frame, block.meta.block_hash, "other") is None
+    frame = encode_frame(block)
+    assert_same_block(decode_frame(frame, block.meta.block_hash, NS), block)
+    assert_same_block(decode_frame(bytearray(frame), block.meta.block_hash, NS), block)
+    assert decode_frame(frame, b"x" * 16, NS) is None  # stored under another hash
+    assert decode_frame(frame, block.meta.block_hash, "other") is None
 
 
 def test_unsupported_dtype_is_dropped_not_stored(redis_url: str, open_store) -> None:
@@ -141,7 +141,7 @@ def test_concurrent_readers_and_writers_see_only_verified_blocks(
 def test_store_in_another_process_shares_blocks(redis_url: str, open_store) -> None:
     script = textwrap.dedent(
         f"""
-        from pagedkv.storage.redis import RedisStore
+        from pagedkv.storage.redis.store import RedisStore
         from fixtures_redis import make_chain
         store = RedisStore({redis_url!r}, {NS!r})
         store.put(make_chain({NS!r}, num_blocks=3, dtype=__import__("torch").float32))
@@ -169,7 +169,7 @@ def test_namespaces_are_isolated(redis_url: str, open_store) -> None:
     hashes = [blk.meta.block_hash for blk in blocks]
     assert b.contains(hashes) == [False, False]
     assert b.get(hashes) == [None, None]
-    assert b.children(blocks[0].meta.parent_hash) == []
+    assert b.children(blocks[0].meta.parent_key) == []
     # A value copied under the other namespace's key is foreign: a miss, deleted.
     raw = redis.Redis.from_url(redis_url)
     raw.set(f"pagedkv:bbbb:{hashes[0].hex()}", raw.get(f"pagedkv:aaaa:{hashes[0].hex()}"))
@@ -231,7 +231,7 @@ def test_dead_redis_costs_only_misses_and_each_call_returns_fast(
     calls: list[tuple[str, Callable[[], object], object]] = [
         ("get", lambda: store.get(hashes), [None] * 3),
         ("contains", lambda: store.contains(hashes), [False] * 3),
-        ("children", lambda: store.children(blocks[0].meta.parent_hash), []),
+        ("children", lambda: store.children(blocks[0].meta.parent_key), []),
         ("seed", lambda: store.seed(b"s"), None),
         ("put", lambda: store.put(make_chain(NS, num_blocks=2, seed=9)), None),
     ]
@@ -344,7 +344,7 @@ def test_children_find_partial_tails_and_skip_evicted(redis_url: str, open_store
     found = {m.block_hash: m for m in store.children(parent)}
     assert set(found) == {full.meta.block_hash, tail.meta.block_hash}
     assert found[tail.meta.block_hash].token_ids.tolist() == list(range(100, 105))
-    assert found[full.meta.block_hash].parent_hash == parent
+    assert found[full.meta.block_hash].parent_key == parent
     raw = redis.Redis.from_url(redis_url)
     raw.delete(f"pagedkv:{NS}:{full.meta.block_hash.hex()}")  # as if Redis evicted it
     assert [m.block_hash for m in store.children(parent)] == [tail.meta.block_hash]

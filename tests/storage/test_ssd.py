@@ -22,11 +22,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from ssd_worker import NAMESPACE, block_hash, make_block, same_block
 
-from pagedkv.storage import ssd_io, ssd_writer
 from pagedkv.storage.base import block_checksum
-from pagedkv.storage.ssd import SSDStore, cache_stats, check_cache, clear_cache
-from pagedkv.storage.ssd_format import block_path, decode_block, encode_block, file_size
-from pagedkv.storage.ssd_io import read_file
+from pagedkv.storage.ssd import io as ssd_io
+from pagedkv.storage.ssd import writer as ssd_writer
+from pagedkv.storage.ssd.format import block_path, decode_file, encode_file, file_size
+from pagedkv.storage.ssd.io import read_file
+from pagedkv.storage.ssd.store import SSDStore, cache_stats, check_cache, clear_cache
 
 WORKER = Path(__file__).with_name("ssd_worker.py")
 MiB = 1024**2
@@ -34,7 +35,7 @@ MiB = 1024**2
 
 def _file_bytes(block) -> int:
     """Size of a block's file: what capacity counts."""
-    return file_size(*encode_block(block, block_checksum(block)))
+    return file_size(*encode_file(block, block_checksum(block)))
 
 
 @pytest.fixture
@@ -134,7 +135,7 @@ def test_reads_files_written_by_the_reference_library(tmp_path: Path, dtype) -> 
         "format": "pagedkv.block",
         "version": "1",
         "hash": block.meta.block_hash.hex(),
-        "parent_hash": block.meta.parent_hash.hex(),
+        "parent_hash": block.meta.parent_key.hex(),
         "namespace": NAMESPACE,
         "num_tokens": str(block.meta.num_tokens),
         "checksum": checksum.hex(),
@@ -142,7 +143,7 @@ def test_reads_files_written_by_the_reference_library(tmp_path: Path, dtype) -> 
     path = tmp_path / "ref.safetensors"
     tokens = torch.from_numpy(block.meta.token_ids)
     save_file({"kv": block.kv, "token_ids": tokens}, str(path), metadata=meta)
-    got, got_checksum = decode_block(read_file(path), block.meta.block_hash, NAMESPACE)
+    got, got_checksum = decode_file(read_file(path), block.meta.block_hash, NAMESPACE)
     assert got_checksum == checksum and same_block(got, block)
 
 
@@ -505,15 +506,15 @@ def test_seed_file_is_private_and_stable(new_store, tmp_path: Path, caplog) -> N
     store.close()
     again = new_store()
     assert again.seed(b"third") == b"first-seed"
-    assert not again.seed_mismatch_warning(b"first-seed")
+    assert not again.check_seed(b"first-seed")
     with caplog.at_level(logging.WARNING, logger="pagedkv.storage.ssd"):
-        assert again.seed_mismatch_warning(b"configured")
-        assert again.seed_mismatch_warning(b"configured")
+        assert again.check_seed(b"configured")
+        assert again.check_seed(b"configured")
     assert sum("another hashing seed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_concurrent_seed_creation_agrees(tmp_path: Path) -> None:
-    from pagedkv.storage.ssd_seed import read_or_create_seed
+    from pagedkv.storage.ssd.seed import read_or_create_seed
 
     results: list[bytes] = []
     threads = [

@@ -32,10 +32,10 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from .ideal import IdealCache
-from .report import RequestRecord, summarize
-from .run import Renderer
-from .workloads import Message, build_workload
+from pagedkv.bench.ideal import IdealCache
+from pagedkv.bench.render import Renderer
+from pagedkv.bench.report import RequestRecord, summarize
+from pagedkv.bench.workloads import Message, build_workload
 
 
 @dataclass(slots=True)
@@ -59,7 +59,7 @@ def _local_renderer(model: str) -> tuple[Renderer, Any] | None:
     try:
         from transformers import AutoTokenizer
 
-        from ..model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
+        from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
 
         directory = ensure_bundled_model() if model.lower() == BUNDLED_MODEL_NAME else model
         tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)

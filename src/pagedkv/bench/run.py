@@ -23,42 +23,19 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from ..config import CacheConfig, default_ssd_cache_dir
-from ..errors import ModelNotSupportedError
-from .ideal import IdealCache
-from .report import RequestRecord, format_table, summarize, write_json, write_plot
-from .workloads import WORKLOADS, Message, Workload, build_workload
+from pagedkv.bench.ideal import IdealCache
+from pagedkv.bench.render import Renderer
+from pagedkv.bench.report import RequestRecord, format_table, summarize, write_json, write_plot
+from pagedkv.bench.workloads import WORKLOADS, Message, Workload, build_workload
+from pagedkv.config import CacheConfig, default_ssd_cache_dir
 
 WARMUP_TEXT = "Warm-up request: say hello."
-
-
-class Renderer:
-    """Prompt ids of a message list: the model's chat template, or, for a model
-    without one, a plain `role: content` transcript (noted in the results)."""
-
-    def __init__(
-        self,
-        apply_chat_template: Callable[[list[Message]], list[int]],
-        encode: Callable[[str], list[int]],
-    ) -> None:
-        self._template = apply_chat_template
-        self._encode = encode
-        self.kind = "chat template"
-
-    def __call__(self, messages: Sequence[Message]) -> list[int]:
-        if self.kind == "chat template":
-            try:
-                return self._template(list(messages))
-            except ModelNotSupportedError:
-                self.kind = "plain transcript (the model has no chat template)"
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-        return self._encode(text + "assistant:")
 
 
 def bench_size(args: argparse.Namespace) -> str:
@@ -77,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     names = list(args.workload or WORKLOADS)
     size = bench_size(args)
     if args.url:
-        from .remote import run_remote
+        from pagedkv.bench.remote import run_remote
 
         results = run_remote(args, names, size)
     else:
@@ -99,8 +76,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace, names: Sequence[str], size: str) -> list[dict[str, Any]]:
-    from ..cli import cache_config_from_args
-    from ..model import load_model
+    from pagedkv.flags import cache_config_from_args
+    from pagedkv.model import load_model
 
     adapter = load_model(args.model, device=args.device, dtype=args.dtype)
     base = cache_config_from_args(args)
@@ -125,7 +102,7 @@ def run_local(args: argparse.Namespace, names: Sequence[str], size: str) -> list
 
 def run_workload(adapter: Any, workload: Workload, config: CacheConfig) -> dict[str, Any]:
     """The cached pass (online conversation), then the cold replay of its measured prompts."""
-    from ..engine import Engine, SamplingParams
+    from pagedkv.engine import Engine, SamplingParams
 
     render = Renderer(adapter.apply_chat_template, adapter.encode)
     measured = workload.measured_steps
@@ -240,7 +217,7 @@ def run_workload(adapter: Any, workload: Workload, config: CacheConfig) -> dict[
 def _warm_up(engine: Any, ideal: IdealCache | None) -> None:
     """One short request so that the first measured one pays no one-off setup. Its
     tokens enter the ideal cache too: the engine may reuse them (a BOS, say)."""
-    from ..engine import SamplingParams
+    from pagedkv.engine import SamplingParams
 
     prompt = engine.tokenize(WARMUP_TEXT)
     r = engine.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))

@@ -1,7 +1,7 @@
 """The inference engine: request flow, sampling and results."""
 
-from .engine import Engine
-from .request import GenerationResult, StreamEvent
-from .sampling import SamplingParams
+from pagedkv.engine.engine import Engine
+from pagedkv.engine.request import GenerationResult, StreamEvent
+from pagedkv.engine.sampling import SamplingParams
 
 __all__ = ["Engine", "GenerationResult", "SamplingParams", "StreamEvent"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..model import ModelAdapter
-from .sampling import SamplingParams
+from pagedkv.engine.sampling import SamplingParams
+from pagedkv.model import ModelAdapter
 
 
 class Detokenizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -13,15 +14,17 @@ from typing import Any
 
 import torch
 
-from ..config import CacheConfig
-from ..errors import EngineClosedError, EngineOverloadedError, PagedKVError
-from ..hashing import ExtraKeys
-from ..model import ModelAdapter, load_model
-from .builder import build_prefix_cache
-from .detokenize import Detokenizer
-from .prefix import Lease, PrefixCache
-from .request import GenerationResult, Request, RequestStream, StreamEvent
-from .sampling import Sampler, SamplingParams
+from pagedkv.cache.builder import build_prefix_cache
+from pagedkv.cache.hashing import ExtraKeys
+from pagedkv.cache.prefix import PrefixCache, RequestCache
+from pagedkv.cache.ram import KVLayout
+from pagedkv.config import CacheConfig
+from pagedkv.engine.detokenize import Detokenizer
+from pagedkv.engine.request import GenerationResult, Request, RequestStream, StreamEvent
+from pagedkv.engine.sampling import Sampler, SamplingParams
+from pagedkv.engine.stats import EngineStats, RequestCounters
+from pagedkv.errors import EngineClosedError, EngineOverloadedError, PagedKVError
+from pagedkv.model import ModelAdapter, load_model
 
 log = logging.getLogger(__name__)
 
@@ -41,24 +44,18 @@ class Engine:
     """
 
     def __init__(
-        self, adapter: ModelAdapter, cache: CacheConfig | None = None, max_queue: int = 64
+        self, adapter: ModelAdapter, config: CacheConfig | None = None, max_queue: int = 64
     ) -> None:
         self.adapter = adapter
-        self.config = cache or CacheConfig()
+        self.config = config or CacheConfig()
         self.max_queue = max_queue
-        self.prefix: PrefixCache | None = build_prefix_cache(adapter, self.config)
+        self.caching_off_reason: str | None = None
+        self.prefix: PrefixCache | None = self._build_prefix_cache()
         self._queue: queue.Queue[Any] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
         self._closed = False
-        self._counters = {
-            "requests": 0,
-            "prompt_tokens": 0,
-            "cached_tokens": 0,
-            "generated_tokens": 0,
-            "cancelled": 0,
-            "errors": 0,
-        }
+        self._counters = RequestCounters()
         self._worker = threading.Thread(target=self._loop, name="pagedkv-worker", daemon=True)
         self._worker.start()
         # On the worker thread, like every forward: the first one in a thread is slow,
@@ -70,12 +67,37 @@ class Engine:
     def from_pretrained(
         cls,
         model: str = "smollm2-135m",
-        cache: CacheConfig | None = None,
+        config: CacheConfig | None = None,
         device: str = "auto",
         dtype: str = "auto",
         max_queue: int = 64,
     ) -> Engine:
-        return cls(load_model(model, device=device, dtype=dtype), cache, max_queue)
+        return cls(load_model(model, device=device, dtype=dtype), config, max_queue)
+
+    def _build_prefix_cache(self) -> PrefixCache | None:
+        adapter, config = self.adapter, self.config
+        if not config.enable_prefix_caching:
+            self.caching_off_reason = "turned off (enable_prefix_caching=False)"
+            log.info("prefix caching is off (enable_prefix_caching=False)")
+            return None
+        if not adapter.prefix_caching_supported:
+            self.caching_off_reason = adapter.unsupported_reason
+            log.warning(
+                "prefix caching is off for %s: %s", adapter.name, adapter.unsupported_reason
+            )
+            return None
+        layout = KVLayout(
+            adapter.num_layers,
+            adapter.num_kv_heads,
+            adapter.head_dim,
+            config.block_size,
+            adapter.dtype,
+        )
+        namespace = adapter.fingerprint(config.block_size)
+        prefix = build_prefix_cache(config, layout, namespace, adapter.device)
+        if prefix is None:
+            self.caching_off_reason = "the RAM cache budget holds less than one block"
+        return prefix
 
     # -- public API ---------------------------------------------------------
 
@@ -149,19 +171,20 @@ class Engine:
         with self._lock:
             return self._pending
 
-    def cache_stats(self) -> dict[str, Any]:
+    def cache_stats(self) -> EngineStats:
         with self._lock:
-            out: dict[str, Any] = {
-                "requests": dict(self._counters),
-                "model": self.model_name,
-                "prefix_caching": self.prefix is not None,
-            }
-        if self.prefix is not None:
-            out.update(self.prefix.stats())
-        return out
+            counters = dataclasses.replace(self._counters)
+        return EngineStats(
+            model=self.model_name,
+            prefix_caching=self.prefix is not None,
+            caching_off_reason=self.caching_off_reason,
+            requests=counters,
+            cache=self.prefix.stats() if self.prefix is not None else None,
+        )
 
     def clear_cache(self) -> None:
-        """Forget every unreferenced cached block in all tiers."""
+        """Forget this model's unreferenced cached blocks in every tier (other models'
+        blocks in a shared SSD directory or Redis stay)."""
         if self.prefix is not None:
             self._call(self.prefix.clear)
 
@@ -268,20 +291,20 @@ class Engine:
             self._pending -= 1
             c = self._counters
             if error:
-                c["errors"] += 1
+                c.errors += 1
             if result is not None:
-                c["requests"] += 1
-                c["prompt_tokens"] += result.prompt_tokens
-                c["cached_tokens"] += result.cached_tokens
-                c["generated_tokens"] += len(result.token_ids)
-                c["cancelled"] += result.finish_reason == "cancelled"
+                c.requests += 1
+                c.prompt_tokens += result.prompt_tokens
+                c.cached_tokens += result.cached_tokens
+                c.generated_tokens += len(result.token_ids)
+                c.cancelled += result.finish_reason == "cancelled"
 
     def _run(self, req: Request) -> Generator[None, None, None]:
         """One request, advanced one step per `next`: lookup, prefill chunks, tokens."""
         adapter, prefix, params = self.adapter, self.prefix, req.params
         prompt = req.prompt
         max_tokens = min(params.max_tokens, self.max_context - len(prompt))
-        lease: Lease | None = None
+        handle: RequestCache | None = None
         generated: list[int] = []
         logprobs: list[float] = []
         ttft = 0.0
@@ -289,21 +312,20 @@ class Engine:
         cached = 0
         decoder: Detokenizer | None = None
         error: Exception | None = None
-        cache: Any = None
+        kv: Any = None
         # Room for the prompt and the first answer tokens; a longer answer grows it.
         capacity = len(prompt) + min(max_tokens, 256)
         try:
             if prefix is None:
-                cache = adapter.new_cache(capacity)
+                kv = adapter.new_cache(capacity)
             else:
-                cache, buffers = adapter.cache_with_buffers(capacity)
-                lease, reuse = prefix.lookup(prompt, req.extra, len(prompt) - 1, buffers)
-                cached = reuse.num_tokens
-                prefix.restore(lease, reuse, buffers[:, :, :, :cached])
-                adapter.set_cache_length(cache, cached)
+                kv, buffers = adapter.cache_with_buffers(capacity)
+                handle = prefix.begin(prompt, req.extra)
+                cached = handle.restore_into(buffers, len(prompt) - 1)
+                adapter.set_cache_length(kv, cached)
             logits = None
             for start in range(cached, len(prompt), PREFILL_CHUNK):
-                logits, cache = adapter.forward(prompt[start : start + PREFILL_CHUNK], cache)
+                logits, kv = adapter.forward(prompt[start : start + PREFILL_CHUNK], kv)
                 if start + PREFILL_CHUNK < len(prompt):
                     yield
             assert logits is not None
@@ -324,25 +346,23 @@ class Engine:
                 req.events.put(
                     StreamEvent([token], delta, logprobs=[lp] if params.logprobs else None)
                 )
-                if step == 0 and prefix is not None and lease is not None:
+                if step == 0 and handle is not None:
                     # After the first token, not before: nothing here is needed for it.
-                    prefix.promote(lease, reuse, prompt)
-                    prefix.store(lease, prompt, self._kv_source(cache), tail=False)
+                    handle.cache_prompt(self._kv_source(kv))
                 if done is not None:
                     break
                 yield
-                logits, cache = adapter.forward([token], cache)
+                logits, kv = adapter.forward([token], kv)
         except Exception as exc:
             log.exception("request failed")
             error, reason = exc, "error"
         finally:
-            if prefix is not None and lease is not None:
+            if handle is not None:
                 try:
                     if reason not in ("cancelled", "error"):
-                        seq = prompt + generated[:-1]
-                        prefix.store(lease, seq, self._kv_source(cache), tail=True)
+                        handle.cache_finished(prompt + generated[:-1], self._kv_source(kv))
                 finally:
-                    prefix.release(lease)
+                    handle.release()
             result = GenerationResult(
                 text=decoder.text if decoder else "",
                 token_ids=generated,
@@ -352,7 +372,7 @@ class Engine:
                 finish_reason=reason,
                 total_s=time.perf_counter() - req.submitted,
                 logprobs=logprobs if params.logprobs else None,
-                tier_hits=dict(lease.tier_tokens) if lease else {},
+                tier_hits=dict(handle.tier_hits) if handle else {},
             )
             if error is not None:
                 req.events.put(error)
@@ -360,8 +380,8 @@ class Engine:
                 req.events.put(StreamEvent([], "", finished=True, result=result))
             self._finish(req, None if error else result, error=error is not None)
 
-    def _kv_source(self, cache: Any) -> Callable[[int, int], torch.Tensor]:
-        layers = self.adapter.cache_layers(cache)
+    def _kv_source(self, kv: Any) -> Callable[[int, int], torch.Tensor]:
+        layers = self.adapter.cache_layers(kv)
 
         def kv_of(start: int, end: int) -> torch.Tensor:
             return torch.stack(

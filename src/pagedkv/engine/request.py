@@ -8,8 +8,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..hashing import ExtraKeys
-from .sampling import SamplingParams
+from pagedkv.cache.hashing import ExtraKeys
+from pagedkv.engine.sampling import SamplingParams
 
 
 @dataclass(slots=True)

@@ -21,8 +21,8 @@ from transformers.cache_utils import DynamicLayer
 
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
-from pagedkv.model.cache import GrowableLayer
 from pagedkv.model.fingerprint import config_identity, weights_digest
+from pagedkv.model.kv_layer import GrowableLayer
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class ModelAdapter:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
 
     def fingerprint(self, block_size: int) -> str:
-        """Namespace of this model's KV blocks (SPEC §2): a hex digest of the config
+        """Namespace of this model's KV blocks: a hex digest of the config
         (path-like fields dropped), the weights' content, dtype, KV layout version and
         block size. Never the path: a moved or copied model keeps its cache."""
         if self._identity is None:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server."""
 
-from .app import create_app
-from .serve import run_server
+from pagedkv.server.app import create_app
+from pagedkv.server.serve import run_server
 
 __all__ = ["create_app", "run_server"]

@@ -14,7 +14,6 @@ open for orchestrators and scrapers (they show only aggregate counts).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -28,13 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.request import StreamEvent
-from .auth import ANONYMOUS, KeyRing, Tenant
-from .generation import Generation, Options
-from .http_errors import APIError, bad_request, shutting_down
-from .metrics import ServerMetrics
-from .middleware import BodyLimitMiddleware, RequestMetricsMiddleware
-from .prepare import (
+from pagedkv.engine.request import StreamEvent
+from pagedkv.server.auth import ANONYMOUS, KeyRing, Tenant
+from pagedkv.server.engine_api import EngineAPI
+from pagedkv.server.generation import Generation, Options
+from pagedkv.server.http_errors import APIError, bad_request, shutting_down
+from pagedkv.server.metrics import ServerMetrics, stats_json
+from pagedkv.server.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from pagedkv.server.prepare import (
     chat_messages,
     check_supported,
     check_token_ids,
@@ -42,7 +42,7 @@ from .prepare import (
     max_new_tokens,
     sampling_params,
 )
-from .protocol import (
+from pagedkv.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -71,7 +71,7 @@ STREAMS: dict[int | str, dict[str, Any]] = {
 class ServerState:
     """What the routes share. `closing` is set by `run_server` on SIGTERM."""
 
-    engine: Any
+    engine: EngineAPI
     model_name: str
     keys: KeyRing
     metrics: ServerMetrics
@@ -116,14 +116,14 @@ TenantDep = Annotated[Tenant, Depends(authenticate)]
 
 
 def create_app(
-    engine: Any,
+    engine: EngineAPI,
     *,
     api_keys: Iterable[str] = (),
     admin_keys: Iterable[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str | None = None,
 ) -> FastAPI:
-    """An app serving `engine` (a `pagedkv.Engine` or anything with its API).
+    """An app serving `engine` (a `pagedkv.Engine`, or anything with its `EngineAPI`).
 
     `model_name` is the id clients see (default: the engine's); requests may
     also name the engine's own name, or leave `model` out.
@@ -133,7 +133,7 @@ def create_app(
         model_name=model_name or engine.model_name,
         keys=KeyRing(api_keys, admin_keys),
         metrics=ServerMetrics(engine.cache_stats, engine.num_active_requests),
-        vocab_size=_vocab_size(engine),
+        vocab_size=engine.vocab_size if engine.vocab_size > 0 else None,
     )
     known_models = {state.model_name, engine.model_name}
     app = FastAPI(title="pagedkv", version="0.1.0", strict_content_type=False)
@@ -256,7 +256,7 @@ def create_app(
     @app.get("/v1/cache/stats", responses=ERRORS)
     async def cache_stats(tenant: TenantDep) -> Response:
         stats = await to_thread.run_sync(engine.cache_stats)
-        return Response(json.dumps(stats, default=str), media_type="application/json")
+        return JSONResponse(stats_json(stats))
 
     @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})
     async def cache_clear(tenant: TenantDep) -> Response:
@@ -297,15 +297,6 @@ async def _blocking(fn: Any, arg: Any, *, what: str) -> list[int]:
         if type(exc).__module__.startswith("jinja2"):  # the template's raise_exception()
             raise bad_request(f"{what} refused the messages: {exc}", "messages") from exc
         raise
-
-
-def _vocab_size(engine: Any) -> int | None:
-    """Token ids at or above this are refused before they reach the model."""
-    size = getattr(engine, "vocab_size", None)
-    if size is None:
-        config = getattr(getattr(getattr(engine, "adapter", None), "model", None), "config", None)
-        size = getattr(config, "vocab_size", None)
-    return size if isinstance(size, int) and size > 0 else None
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from starlette.types import Receive
 
-from ..engine.request import GenerationResult, StreamEvent
-from .http_errors import APIError, from_engine_error
-from .metrics import ServerMetrics
+from pagedkv.engine.request import GenerationResult, StreamEvent
+from pagedkv.server.http_errors import APIError, from_engine_error
+from pagedkv.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 

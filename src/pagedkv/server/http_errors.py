@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from fastapi.responses import JSONResponse
 
-from ..errors import EngineOverloadedError, OutOfBlocksError, PagedKVError
+from pagedkv.errors import EngineOverloadedError, OutOfBlocksError, PagedKVError
 
 RETRY_AFTER_OVERLOADED_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5

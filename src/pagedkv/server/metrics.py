@@ -6,18 +6,25 @@ Request-level series are updated as requests finish; cache and pool series are
 read from `engine.cache_stats()` at scrape time by a custom collector, so they
 are never stale and cost nothing between scrapes. Totals the engine keeps
 (tier hits, bytes written, dropped writes) are exported as counters, levels
-(bytes used, allocated blocks) as gauges.
+(bytes used, allocated blocks) as gauges. This module is the one place where
+the engine's typed statistics become Prometheus series (`_CacheCollector`) and
+JSON (`stats_json`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pagedkv.cache.pool import PoolStats
+from pagedkv.engine.stats import EngineStats
+from pagedkv.storage.base import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,7 @@ class ServerMetrics:
     """The series one app exports; `render()` is the body of GET /metrics."""
 
     def __init__(
-        self, cache_stats: Callable[[], Mapping[str, Any]], active_requests: Callable[[], int]
+        self, cache_stats: Callable[[], EngineStats], active_requests: Callable[[], int]
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -101,7 +108,7 @@ class _CacheCollector(Collector):
     """Reads the engine's cache statistics at scrape time."""
 
     def __init__(
-        self, cache_stats: Callable[[], Mapping[str, Any]], active_requests: Callable[[], int]
+        self, cache_stats: Callable[[], EngineStats], active_requests: Callable[[], int]
     ) -> None:
         self._cache_stats = cache_stats
         self._active_requests = active_requests
@@ -121,19 +128,32 @@ class _CacheCollector(Collector):
             "Requests queued or running in the engine",
             value=active,
         )
-        yield from _tier_metrics(stats.get("tiers"))
-        yield from _pool_metrics(stats.get("pool"))
+        if stats.cache is not None:
+            yield from _tier_metrics(stats.cache.tiers)
+            yield from _pool_metrics(stats.cache.pool)
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
+def stats_json(stats: EngineStats) -> dict[str, Any]:
+    """The body of GET /v1/cache/stats: the engine's figures, the cache's at the top level."""
+    out: dict[str, Any] = {
+        "model": stats.model,
+        "prefix_caching": stats.prefix_caching,
+        "caching_off_reason": stats.caching_off_reason,
+        "requests": dataclasses.asdict(stats.requests),
+    }
+    if stats.cache is not None:
+        cache = stats.cache
+        out.update(
+            namespace=cache.namespace,
+            block_size=cache.block_size,
+            bytes_per_token=cache.bytes_per_token,
+            pool=dataclasses.asdict(cache.pool),
+            tiers={name: dataclasses.asdict(tier) for name, tier in cache.tiers.items()},
+        )
+    return out
 
 
-def _tier_metrics(tiers: Any) -> Iterator[Metric]:
-    if not isinstance(tiers, Mapping):
-        return
+def _tier_metrics(tiers: dict[str, TierStats]) -> Iterator[Metric]:
     families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
     for field in _TIER_TOTALS:
         families[field] = CounterMetricFamily(
@@ -145,41 +165,29 @@ def _tier_metrics(tiers: Any) -> Iterator[Metric]:
         families[field] = GaugeMetricFamily(
             f"pagedkv_cache_tier_{field}", f"Cache tier {field} now", labels=["tier"]
         )
-    for tier, fields in tiers.items():
-        if not isinstance(fields, Mapping):
-            continue  # tier not configured
+    for name, tier in tiers.items():
         for field, family in families.items():
-            value = _number(fields.get(field))
-            if value is not None:
-                family.add_metric([str(tier)], value)
+            family.add_metric([name], float(getattr(tier, field)))
     yield from families.values()
 
 
-def _pool_metrics(pool: Any) -> Iterator[Metric]:
-    if not isinstance(pool, Mapping):
-        return
+def _pool_metrics(pool: PoolStats) -> Iterator[Metric]:
     blocks = GaugeMetricFamily(
         "pagedkv_pool_blocks", "Block pool blocks by state", labels=["state"]
     )
     for field in _POOL_STATES:
-        value = _number(pool.get(field))
-        if value is not None:
-            blocks.add_metric([field], value)
+        blocks.add_metric([field], float(getattr(pool, field)))
     yield blocks
     for field in _POOL_SIZES:
-        value = _number(pool.get(field))
-        if value is not None:
-            yield GaugeMetricFamily(f"pagedkv_pool_{field}", f"Block pool {field}", value=value)
-    for field in _POOL_TOTALS:
-        value = _number(pool.get(field))
-        if value is not None:
-            yield CounterMetricFamily(
-                f"pagedkv_pool_{field}", f"Block pool {field} total", value=value
-            )
-    rate = _number(pool.get("hit_rate"))
-    if rate is not None:
         yield GaugeMetricFamily(
-            "pagedkv_pool_hit_rate",
-            "Prompt tokens served from the cache / tokens looked up",
-            value=rate,
+            f"pagedkv_pool_{field}", f"Block pool {field}", value=float(getattr(pool, field))
         )
+    for field in _POOL_TOTALS:
+        yield CounterMetricFamily(
+            f"pagedkv_pool_{field}", f"Block pool {field} total", value=float(getattr(pool, field))
+        )
+    yield GaugeMetricFamily(
+        "pagedkv_pool_hit_rate",
+        "Prompt tokens served from the cache / tokens looked up",
+        value=pool.hit_rate,
+    )

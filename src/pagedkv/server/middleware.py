@@ -6,8 +6,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .http_errors import APIError
-from .metrics import ServerMetrics
+from pagedkv.server.http_errors import APIError
+from pagedkv.server.metrics import ServerMetrics
 
 KNOWN_PATHS = frozenset(
     {

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..engine.sampling import SamplingParams
-from .http_errors import APIError, bad_request
-from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from pagedkv.engine.sampling import SamplingParams
+from pagedkv.server.http_errors import APIError, bad_request
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; clients wanting greedy send 0
 # top_p below this is greedy. OpenAI clients send 0 for "most likely token only", and the

@@ -16,20 +16,21 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
-from .app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
+from pagedkv.engine.stats import EngineStats
+from pagedkv.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
+from pagedkv.server.engine_api import EngineAPI
 
 log = logging.getLogger(__name__)
 
 
 def run_server(
-    engine: Any,
+    engine: EngineAPI,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -158,19 +159,14 @@ def _url_host(host: str) -> str:
 
 
 def _log_startup(
-    engine: Any,
+    engine: EngineAPI,
     state: ServerState,
     url: str,
     api_keys: list[str],
     admin_keys: list[str] | None,
 ) -> None:
     log.info("model %s (context %d tokens)", state.model_name, engine.max_context)
-    try:
-        stats = engine.cache_stats()
-    except Exception:
-        log.exception("reading cache statistics failed")
-        stats = {}
-    for line in _cache_lines(stats):
+    for line in _cache_lines(engine.cache_stats()):
         log.info("cache: %s", line)
     if state.keys.enabled:
         num_keys = len(set(api_keys) | set(admin_keys or []))
@@ -189,32 +185,16 @@ def _log_startup(
     )
 
 
-def _cache_lines(stats: Mapping[str, Any]) -> list[str]:
-    lines = []
-    pool = stats.get("pool")
-    if isinstance(pool, Mapping) and "max_blocks" in pool:
-        lines.append(f"block pool of up to {pool['max_blocks']} blocks")
-    tiers = stats.get("tiers")
-    if isinstance(tiers, Mapping):
-        for name, tier in tiers.items():
-            if not isinstance(tier, Mapping):
-                continue
-            size = _gib(tier.get("capacity_bytes"))
-            used = _gib(tier.get("bytes_used"))
-            where = (
-                tier.get("extra", {}).get("path")
-                if isinstance(tier.get("extra"), Mapping)
-                else None
-            )
-            lines.append(f"tier {name}: {used} used of {size}" + (f" at {where}" if where else ""))
-    if not lines:
-        lines.append(
-            "prefix caching is off" if stats.get("prefix_caching") is False else "no tiers"
-        )
+def _cache_lines(stats: EngineStats) -> list[str]:
+    if stats.cache is None:
+        return [f"prefix caching is off: {stats.caching_off_reason}"]
+    lines = [f"block pool of up to {stats.cache.pool.max_blocks} blocks"]
+    for name, tier in stats.cache.tiers.items():
+        where = f" at {tier.location}" if tier.location else ""
+        used, size = _gib(tier.bytes_used), _gib(tier.capacity_bytes)
+        lines.append(f"tier {name}: {used} used of {size}{where}")
     return lines
 
 
-def _gib(value: Any) -> str:
-    if not isinstance(value, int | float):
-        return "?"
+def _gib(value: int) -> str:
     return f"{value / 1024**3:.2f} GiB" if value >= 1024**3 else f"{value / 1024**2:.1f} MiB"

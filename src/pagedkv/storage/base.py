@@ -1,4 +1,4 @@
-"""The interface every KV tier (RAM, SSD, Redis) implements.
+"""The contract every tier below RAM (SSD, Redis) implements.
 
 A tier stores whole blocks: the keys and values of every layer for up to
 `block_size` tokens, plus the metadata that lets a reader verify a hit (the
@@ -22,7 +22,7 @@ import xxhash
 class BlockMeta:
     """What identifies a stored block.
 
-    `parent_hash` is the parent key the block's hash was computed from: the
+    `parent_key` is the parent key the block's hash was computed from: the
     previous block's hash (or the chain's root for block 0), folded with this
     block's segment key when it has one. Children of one parent key are the
     blocks that may continue a prefix ending there, which is how partial tails
@@ -30,7 +30,7 @@ class BlockMeta:
     """
 
     block_hash: bytes
-    parent_hash: bytes
+    parent_key: bytes
     token_ids: np.ndarray
     namespace: str
 
@@ -55,7 +55,7 @@ def block_checksum(block: KVBlock) -> bytes:
     """xxh3_128 over the KV bytes and every metadata field; 16 bytes."""
     h = xxhash.xxh3_128()
     h.update(block.meta.block_hash)
-    h.update(block.meta.parent_hash)
+    h.update(block.meta.parent_key)
     h.update(np.ascontiguousarray(block.meta.token_ids, dtype=np.int32).tobytes())
     h.update(block.meta.namespace.encode())
     h.update(str(tuple(block.kv.shape)).encode() + str(block.kv.dtype).encode())
@@ -80,11 +80,15 @@ class TierStats:
     num_blocks: int = 0
     bytes_used: int = 0
     capacity_bytes: int = 0
+    location: str = ""  # a directory or host:port; never a password
     extra: dict[str, float | int | str | bool] = field(default_factory=dict)
 
 
 class KVTier(ABC):
-    """A store of whole KV blocks, addressed by block hash. Batched everywhere.
+    """A store of whole KV blocks, addressed by block hash, shared by namespaces.
+
+    Batched everywhere. The RAM tier is not one: it is the block pool's own
+    store, addressed by block id (`pagedkv.cache.ram`).
 
     Rules every tier keeps:
     - `get` returns None for a block it does not have *or* cannot verify
@@ -93,8 +97,13 @@ class KVTier(ABC):
     - `put` never makes the caller wait on slow I/O for long: persistent tiers
       queue the write and drop it (counted in `writes_dropped`) when their
       write budget is full.
-    - `children(parent_hash)` lists the metadata (no KV) of stored blocks whose
-      parent key is `parent_hash`; the engine uses it to find partial tails.
+    - `children(parent_key)` lists the metadata (no KV) of stored blocks whose
+      parent key is `parent_key`; the prefix cache uses it to find partial tails.
+    - `clear(namespace)` removes that namespace's blocks and nothing else, so
+      models sharing a directory or a Redis never wipe each other.
+    - `seed(candidate)` returns the hashing seed the tier keeps for every engine
+      that uses it, storing `candidate` when it has none; None when it cannot
+      keep one (unreachable, read-only).
     """
 
     name: str = "tier"
@@ -112,10 +121,22 @@ class KVTier(ABC):
     def remove(self, hashes: Sequence[bytes]) -> None: ...
 
     @abstractmethod
-    def children(self, parent_hash: bytes) -> list[BlockMeta]: ...
+    def children(self, parent_key: bytes) -> list[BlockMeta]: ...
+
+    @abstractmethod
+    def clear(self, namespace: str) -> int:
+        """Remove every block of `namespace`; returns how many (or an estimate)."""
+
+    @abstractmethod
+    def seed(self, candidate: bytes) -> bytes | None: ...
 
     @abstractmethod
     def stats(self) -> TierStats: ...
+
+    def check_seed(self, seed: bytes) -> bool:
+        """True (with one warning) when the tier keeps another seed than `seed`, the
+        one in use: its blocks cannot be found under this seed."""
+        return False
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait up to `timeout` s for queued writes; True when none are left."""

@@ -9,7 +9,8 @@ can collide: every field is tagged by kind and length-prefixed.
 
 The seed keys every digest (it is also xxh3's 64-bit seed), so outsiders who
 do not know it cannot predict hashes or craft collisions; callers that need a
-cache to outlive the process pass a stable seed (see SPEC §2 for its sources).
+cache to outlive the process pass a stable seed (the cache builder reads it
+from the configuration, Redis or the SSD directory).
 Even so, a hash is never trusted alone: the pool verifies every hit against
 the stored parent key and token ids.
 """
@@ -228,12 +229,12 @@ class BlockHasher:
             + _field(b"A", extra.adapter)
         )
 
-    def parent_key(self, parent_hash: bytes, block_index: int, extra: ExtraKeys | None) -> bytes:
-        """``parent_hash`` folded with block ``block_index``'s segment key, if any."""
+    def parent_key(self, parent_key: bytes, block_index: int, extra: ExtraKeys | None) -> bytes:
+        """``parent_key`` folded with block ``block_index``'s segment key, if any."""
         key = extra.segment_key(block_index, self.block_size) if extra is not None else None
         if key is None:
-            return parent_hash
-        return self._digest(b"pagedkv-segment\x00" + parent_hash + _field(b"G", key))
+            return parent_key
+        return self._digest(b"pagedkv-segment\x00" + parent_key + _field(b"G", key))
 
     def hash_block(self, parent_key: bytes, token_bytes: bytes) -> bytes:
         """Hash of one block (full or partial) from its parent key and int32-LE tokens."""
@@ -247,6 +248,23 @@ class BlockHasher:
         """Tokens, full-block hashes and parent keys (one more than hashes)."""
         buf = pack_tokens(token_ids)
         hashes, parent_keys = self._chain(buf, extra)
+        return HashChain(np.frombuffer(buf, dtype="<i4"), hashes, parent_keys, buf)
+
+    def extend(
+        self, chain: HashChain, token_ids: TokenIds, extra: ExtraKeys | None = None
+    ) -> HashChain:
+        """``chain`` continued by ``token_ids``: only the blocks that were not full in
+        ``chain`` are hashed. ``extra`` must be what ``chain`` was made with."""
+        more = pack_tokens(token_ids)
+        if not more:
+            return chain
+        buf = chain.token_bytes + more
+        size = self._block_bytes
+        hashes, parent_keys = list(chain.hashes), list(chain.parent_keys)
+        for i in range(len(hashes), len(buf) // size):
+            block_hash = self.hash_block(parent_keys[i], buf[i * size : (i + 1) * size])
+            hashes.append(block_hash)
+            parent_keys.append(self.parent_key(block_hash, i + 1, extra))
         return HashChain(np.frombuffer(buf, dtype="<i4"), hashes, parent_keys, buf)
 
     def _chain(self, buf: bytes, extra: ExtraKeys | None) -> tuple[list[bytes], list[bytes]]:

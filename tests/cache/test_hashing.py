@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from pagedkv.hashing import BlockHasher, ExtraKeys, pack_tokens
+from pagedkv.cache.hashing import BlockHasher, ExtraKeys, pack_tokens
 
 SEED = b"test-seed"
 ALGORITHMS = ["xxh3_128", "sha256"]
@@ -128,7 +128,7 @@ def test_seeds_key_every_hash() -> None:
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_hashes_are_stable_across_processes(algorithm: str) -> None:
     code = (
-        "from pagedkv.hashing import BlockHasher, ExtraKeys\n"
+        "from pagedkv.cache.hashing import BlockHasher, ExtraKeys\n"
         f"h = BlockHasher(block_size=4, namespace='m', algorithm={algorithm!r}, seed=b'stable')\n"
         "x = ExtraKeys(cache_salt='s', segments=[(3, 'img')])\n"
         "print(' '.join(v.hex() for v in h.hash_blocks(list(range(12)), x)))\n"

@@ -51,7 +51,7 @@ def block_path(root: Path, block_hash: bytes) -> Path:
     return root / "blocks" / hexed[:2] / hexed[2:4] / (hexed + SUFFIX)
 
 
-def encode_block(block: KVBlock, checksum: bytes) -> tuple[bytes, list[memoryview]]:
+def encode_file(block: KVBlock, checksum: bytes) -> tuple[bytes, list[memoryview]]:
     """The file's prefix (length + JSON header) and the data buffers to write after it."""
     kv = block.kv.detach().cpu().contiguous()
     dtype_name = _DTYPES.get(kv.dtype)
@@ -67,7 +67,7 @@ def encode_block(block: KVBlock, checksum: bytes) -> tuple[bytes, list[memoryvie
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "hash": meta.block_hash.hex(),
-            "parent_hash": meta.parent_hash.hex(),
+            "parent_hash": meta.parent_key.hex(),
             "namespace": meta.namespace,
             "num_tokens": str(meta.num_tokens),
             "checksum": checksum.hex(),
@@ -133,7 +133,7 @@ def header_meta(header: dict[str, object]) -> dict[str, str]:
     return {str(k): str(v) for k, v in meta.items()}
 
 
-def decode_block(
+def decode_file(
     data: torch.Tensor, expected_hash: bytes, namespace: str | None = None
 ) -> tuple[KVBlock, bytes]:
     """Parse and verify a whole block file held in `data` (uint8, 1-D).

@@ -5,21 +5,38 @@ Kept apart from the pool's hot paths; it may be slow (O(num_blocks)).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from pagedkv._freequeue import FreeBlockQueue
+from pagedkv.cache.block import Block, FreeBlockQueue
+from pagedkv.cache.hashing import BlockHasher
 
-if TYPE_CHECKING:
-    from pagedkv.pool import BlockPool
+__all__ = ["PoolInvariantError", "PoolState", "check_pool"]
 
-__all__ = ["PoolInvariantError", "check_pool"]
+
+class PoolState(Protocol):
+    """The bookkeeping of a `BlockPool` that `check_pool` re-derives. Declared here,
+    not imported from the pool, so that the pool can call the check without a cycle."""
+
+    block_size: int
+    max_blocks: int
+    hasher: BlockHasher
+    _blocks: list[Block]
+    _empty: FreeBlockQueue
+    _lru: FreeBlockQueue
+    _cached: dict[bytes, Block]
+    _children: dict[bytes, dict[int, Block]]
+    _serial: int
+    _allocated: int
+    _shared: int
+    _query_tokens: int
+    _hit_tokens: int
 
 
 class PoolInvariantError(AssertionError):
     """``BlockPool.check()`` found the pool's bookkeeping inconsistent (a bug)."""
 
 
-def check_pool(pool: BlockPool) -> None:
+def check_pool(pool: PoolState) -> None:
     """Raise ``PoolInvariantError`` naming the first broken invariant; caller holds the lock."""
 
     def require(ok: bool, what: str) -> None:
@@ -55,15 +72,15 @@ def check_pool(pool: BlockPool) -> None:
         require(queued.get(i) is want, f"block {i} (ref {block.ref_count}) in the wrong queue")
         if block.block_hash is None:
             require(
-                block.token_ids is None and block.parent_hash is None and not block.serial,
+                block.token_ids is None and block.parent_key is None and not block.serial,
                 f"uncached block {i} keeps cached data",
             )
             continue
         cached += 1
         require(pool._cached.get(block.block_hash) is block, f"block {i} not in the hash map")
-        assert block.parent_hash is not None and block.token_ids is not None
+        assert block.parent_key is not None and block.token_ids is not None
         require(
-            pool._children.get(block.parent_hash, {}).get(i) is block,
+            pool._children.get(block.parent_key, {}).get(i) is block,
             f"block {i} not in the children index",
         )
         require(
@@ -72,7 +89,7 @@ def check_pool(pool: BlockPool) -> None:
         )
         require(0 < block.serial <= pool._serial, f"block {i} has serial {block.serial}")
         require(
-            pool.hasher.hash_block(block.parent_hash, block.token_ids) == block.block_hash,
+            pool.hasher.hash_block(block.parent_key, block.token_ids) == block.block_hash,
             f"block {i}'s hash does not match its parent key and tokens",
         )
     require(cached == len(pool._cached), "hash map holds blocks that are not cached")

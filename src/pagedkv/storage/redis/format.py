@@ -42,17 +42,17 @@ _DTYPES: dict[str, torch.dtype] = {
     )
 }
 # torch warns, once per process, when a tensor wraps an immutable buffer, which
-# decode_block does on purpose. Spend that one warning here, silenced, rather than
+# decode_frame does on purpose. Spend that one warning here, silenced, rather than
 # filtering warnings globally (pytest and servers reset filters).
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
-def encode_block(block: KVBlock) -> bytes:
+def encode_frame(block: KVBlock) -> bytes:
     """The stored frame of `block` (layout above).
 
-    Raises ValueError for a dtype that `decode_block` would reject.
+    Raises ValueError for a dtype that `decode_frame` would reject.
     """
     kv = block.kv.detach().contiguous().cpu()
     if str(kv.dtype).removeprefix("torch.") not in _DTYPES:
@@ -61,7 +61,7 @@ def encode_block(block: KVBlock) -> bytes:
     tokens = np.ascontiguousarray(meta.token_ids, dtype="<i4")
     header = {
         "h": meta.block_hash.hex(),
-        "p": meta.parent_hash.hex(),
+        "p": meta.parent_key.hex(),
         "ns": meta.namespace,
         "dtype": str(kv.dtype).removeprefix("torch."),
         "shape": list(kv.shape),
@@ -74,7 +74,7 @@ def encode_block(block: KVBlock) -> bytes:
     return b"".join((_PREFIX.pack(MAGIC, VERSION, len(raw)), raw, tokens.tobytes(), payload))
 
 
-def decode_block(value: bytes | bytearray, block_hash: bytes, namespace: str) -> KVBlock | None:
+def decode_frame(value: bytes | bytearray, block_hash: bytes, namespace: str) -> KVBlock | None:
     """The verified block in `value`, or None when anything does not match.
 
     The KV tensor is a view of `value`, not a copy: restore speed is bound by

@@ -26,10 +26,10 @@ from functools import partial
 from pathlib import Path
 
 from pagedkv.errors import CacheCorruptionError
-from pagedkv.storage.ssd_format import SUFFIX, block_path, decode_block
-from pagedkv.storage.ssd_index import NamespaceUsage, SSDIndex
-from pagedkv.storage.ssd_io import TEMP_MARK, read_file, temp_owner_pid
-from pagedkv.storage.ssd_seed import SEED_NAME
+from pagedkv.storage.ssd.format import SUFFIX, block_path, decode_file
+from pagedkv.storage.ssd.index import NamespaceUsage, SSDIndex
+from pagedkv.storage.ssd.io import TEMP_MARK, read_file, temp_owner_pid
+from pagedkv.storage.ssd.seed import SEED_NAME
 
 INDEX_NAME = "index.sqlite"
 STALE_TEMP_S = 3600.0
@@ -157,7 +157,7 @@ def verify_file(path: Path, block_hash: bytes, expected: tuple[int, bytes] | Non
     """True when the file parses, its checksum holds, and it matches `(size, checksum)`."""
     try:
         data = read_file(path, expected[0] if expected else None)
-        _, checksum = decode_block(data, block_hash)
+        _, checksum = decode_file(data, block_hash)
     except (OSError, CacheCorruptionError):
         return False
     return expected is None or checksum == expected[1]
@@ -214,7 +214,7 @@ def _reindex(index: SSDIndex, path: Path, block_hash: bytes) -> int:
     """Index a file that verifies, with its mtime as access time; delete one that does not."""
     try:
         stat = path.stat()
-        block, checksum = decode_block(read_file(path), block_hash)
+        block, checksum = decode_file(read_file(path), block_hash)
     except (OSError, CacheCorruptionError):
         unlink_quiet(path)
         return 0

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedkv._freequeue import Block, FreeBlockQueue
-from pagedkv._poolcheck import PoolInvariantError, check_pool
+from pagedkv.cache.block import Block, FreeBlockQueue
+from pagedkv.cache.hashing import BlockHasher, ExtraKeys, HashChain, TokenIds
+from pagedkv.cache.pool_check import PoolInvariantError, check_pool
 from pagedkv.errors import OutOfBlocksError
-from pagedkv.hashing import BlockHasher, ExtraKeys, HashChain, TokenIds
 
 __all__ = ["Block", "BlockPool", "BlockTable", "PoolInvariantError", "PoolStats", "PrefixMatch"]
 
@@ -243,13 +243,13 @@ class BlockPool:
 
     def _uncache(self, block: Block) -> None:
         """Forget ``block``'s cached data (it stays in whatever queue it is in)."""
-        assert block.block_hash is not None and block.parent_hash is not None
+        assert block.block_hash is not None and block.parent_key is not None
         del self._cached[block.block_hash]
-        siblings = self._children[block.parent_hash]
+        siblings = self._children[block.parent_key]
         del siblings[block.block_id]
         if not siblings:
-            del self._children[block.parent_hash]
-        block.block_hash = block.parent_hash = block.token_ids = None
+            del self._children[block.parent_key]
+        block.block_hash = block.parent_key = block.token_ids = None
         block.serial = 0
 
     def evict_all(self) -> int:
@@ -298,7 +298,7 @@ class BlockPool:
                 if (
                     block is None
                     or block.serial <= prev_serial
-                    or block.parent_hash != keys[i]
+                    or block.parent_key != keys[i]
                     or block.token_ids != buf[i * size : (i + 1) * size]
                 ):
                     break
@@ -348,19 +348,26 @@ class BlockPool:
         cached are skipped; a block whose hash another block holds stays
         uncached. Caching stops at a block that cannot be trusted: one
         carrying a different hash, or a hash collision. Blocks must be
-        referenced (``ValueError``); ``chain`` is as in ``match_prefix``.
+        referenced (``ValueError``). ``chain`` reuses the hash chain of a
+        sequence that starts with ``token_ids`` (it may run longer), so a
+        request's tokens are hashed once however often it caches blocks.
         """
         if chain is None:
             chain = self.hasher.chain(token_ids, extra)
-        elif chain.num_tokens != len(token_ids):
-            raise ValueError("chain was computed from other tokens than token_ids")
+        elif chain.num_tokens < len(token_ids):
+            raise ValueError(
+                f"chain holds {chain.num_tokens} tokens, fewer than the {len(token_ids)} to cache"
+            )
         if not self.enable_caching:
             return 0
         bs, size = self.block_size, 4 * self.block_size
-        buf, keys, hashes = chain.token_bytes, chain.parent_keys, chain.hashes
-        count = min(len(blocks), -(-chain.num_tokens // bs))
+        num_tokens = len(token_ids)
+        buf = chain.token_bytes[: 4 * num_tokens]
+        keys, hashes = chain.parent_keys, chain.hashes
+        num_full = num_tokens // bs
+        count = min(len(blocks), -(-num_tokens // bs))
         tail_hash = None
-        if count > len(hashes):
+        if count > num_full:
             tail_hash = self.hasher.hash_block(keys[count - 1], buf[(count - 1) * size :])
         registered = 0
         with self._lock:
@@ -368,14 +375,14 @@ class BlockPool:
             prev_serial = 0
             for i in range(count):
                 block = blocks[i]
-                h = hashes[i] if i < len(hashes) else tail_hash
+                h = hashes[i] if i < num_full else tail_hash
                 if block.block_hash == h and block.serial > prev_serial:
                     prev_serial = block.serial  # this request's block, cached before
                     continue
                 assert h is not None
                 key, tokens = keys[i], buf[i * size : (i + 1) * size]
                 holder = self._cached.get(h)
-                if holder is not None and (holder.parent_hash != key or holder.token_ids != tokens):
+                if holder is not None and (holder.parent_key != key or holder.token_ids != tokens):
                     break  # a collision: the holder names other tokens
                 if holder is not None and holder.serial <= prev_serial:
                     # Registered before its parent's current registration, so its
@@ -390,7 +397,7 @@ class BlockPool:
                     if block.block_hash is not None:
                         break  # holds other cached tokens: read-only, never written here
                     self._serial += 1
-                    block.block_hash, block.parent_hash = h, key
+                    block.block_hash, block.parent_key = h, key
                     block.token_ids, block.serial = tokens, self._serial
                     self._cached[h] = block
                     self._children.setdefault(key, {})[block.block_id] = block

@@ -40,10 +40,10 @@ from pathlib import Path
 
 from pagedkv.errors import CacheCorruptionError
 from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
-from pagedkv.storage.ssd_format import block_path, decode_block
-from pagedkv.storage.ssd_index import IndexRow, NamespaceUsage, SSDIndex
-from pagedkv.storage.ssd_io import read_file
-from pagedkv.storage.ssd_maintenance import (
+from pagedkv.storage.ssd.format import block_path, decode_file
+from pagedkv.storage.ssd.index import IndexRow, NamespaceUsage, SSDIndex
+from pagedkv.storage.ssd.io import read_file
+from pagedkv.storage.ssd.maintenance import (
     INDEX_NAME,
     CheckReport,
     DirectoryStats,
@@ -54,8 +54,8 @@ from pagedkv.storage.ssd_maintenance import (
     reconcile,
     unlink_quiet,
 )
-from pagedkv.storage.ssd_seed import read_or_create_seed, read_seed
-from pagedkv.storage.ssd_writer import BlockWriter, Counters
+from pagedkv.storage.ssd.seed import read_or_create_seed, read_seed
+from pagedkv.storage.ssd.writer import BlockWriter, Counters
 
 __all__ = [
     "CheckReport",
@@ -278,7 +278,7 @@ class SSDStore(KVTier):
         _, block_hash, row = job
         try:
             data = read_file(block_path(self.directory, block_hash), row.num_bytes)
-            block, checksum = decode_block(data, block_hash, self.namespace)
+            block, checksum = decode_file(data, block_hash, self.namespace)
         except FileNotFoundError:
             return None, "missing"
         except CacheCorruptionError:
@@ -319,20 +319,18 @@ class SSDStore(KVTier):
         self._writer.cancel(hashes)
         self._discard(list(hashes))
 
-    def children(self, parent_hash: bytes) -> list[BlockMeta]:
+    def children(self, parent_key: bytes) -> list[BlockMeta]:
         self._check_pid()
         try:
-            found = self._index.children(parent_hash, self.namespace)
+            found = self._index.children(parent_key, self.namespace)
         except sqlite3.Error:
             self._counters.add("errors")
             found = []
         seen = {m.block_hash for m in found}
-        for meta in self._writer.queued_children(parent_hash):
+        for meta in self._writer.queued_children(parent_key):
             if meta.block_hash not in seen:
                 seen.add(meta.block_hash)
-                found.append(
-                    BlockMeta(meta.block_hash, parent_hash, meta.token_ids, meta.namespace)
-                )
+                found.append(BlockMeta(meta.block_hash, parent_key, meta.token_ids, meta.namespace))
         return found
 
     def stats(self) -> TierStats:
@@ -352,6 +350,7 @@ class SSDStore(KVTier):
                 num_blocks=sum(u.num_blocks for u in usage.values()),
                 bytes_used=sum(u.num_bytes for u in usage.values()),
                 capacity_bytes=self.capacity_bytes,
+                location=str(self.directory),
             )  # fmt: skip
             result.extra = {**self._counters.extra}
         result.extra.update(
@@ -384,9 +383,10 @@ class SSDStore(KVTier):
             self._writer.evict(0)
         return report
 
-    def clear(self, namespace: str | None = None) -> int:
-        """Delete every block of the directory, or of one namespace; the seed file stays.
-        Returns the number of blocks removed."""
+    def clear(self, namespace: str) -> int:
+        """Delete every block of `namespace` (other namespaces and the seed file stay).
+        Returns the number of blocks removed. `pagedkv cache clear` without a namespace
+        is the way to empty a whole directory."""
         self._writer.cancel(namespace=namespace)
         self._writer.flush(10.0)
         return clear_tree(self.directory, self._index, namespace)
@@ -396,10 +396,10 @@ class SSDStore(KVTier):
         (mode 0600) when absent. A directory that cannot be written yields `candidate`."""
         return read_or_create_seed(self.directory, candidate)
 
-    def seed_mismatch_warning(self, effective_seed: bytes) -> bool:
+    def check_seed(self, seed: bytes) -> bool:
         """True (and one warning per store) when the seed file holds another seed."""
         stored = read_seed(self.directory)
-        if stored is None or stored == effective_seed:
+        if stored is None or stored == seed:
             return False
         if not self._seed_warned:
             self._seed_warned = True

@@ -21,7 +21,7 @@ class Block:
 
     Cached blocks (``block_hash`` set) are immutable: their first
     ``num_tokens`` KV slots are what the hash names, so nobody may write into
-    them (see ``BlockPool.make_writable``). ``parent_hash`` is the parent key
+    them (see ``BlockPool.make_writable``). ``parent_key`` is the parent key
     the hash was computed from and ``token_ids`` the int32-LE tokens; a hit is
     verified against both. ``serial`` numbers registrations, so a block can
     tell whether its parent's current registration predates it (0: uncached).
@@ -30,7 +30,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
-    parent_hash: bytes | None = None
+    parent_key: bytes | None = None
     token_ids: bytes | None = None
     serial: int = 0
     prev_free: Block | None = None

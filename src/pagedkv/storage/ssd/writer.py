@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import NoReturn
 
 from pagedkv.storage.base import BlockMeta, KVBlock, TierStats, block_checksum
-from pagedkv.storage.ssd_format import block_path, encode_block, file_size
-from pagedkv.storage.ssd_index import SSDIndex
-from pagedkv.storage.ssd_io import write_temp
-from pagedkv.storage.ssd_maintenance import unlink_quiet
+from pagedkv.storage.ssd.format import block_path, encode_file, file_size
+from pagedkv.storage.ssd.index import SSDIndex
+from pagedkv.storage.ssd.io import write_temp
+from pagedkv.storage.ssd.maintenance import unlink_quiet
 
 log = logging.getLogger("pagedkv.storage.ssd")
 
@@ -142,10 +142,10 @@ class BlockWriter:
         with self._cond:
             return self._pending.get(block_hash) or self._inflight.get(block_hash)
 
-    def queued_children(self, parent_hash: bytes) -> list[BlockMeta]:
+    def queued_children(self, parent_key: bytes) -> list[BlockMeta]:
         with self._cond:
             blocks = [*self._inflight.values(), *self._pending.values()]
-        return [b.meta for b in blocks if b.meta.parent_hash == parent_hash]
+        return [b.meta for b in blocks if b.meta.parent_key == parent_key]
 
     def touch(self, hashes: Sequence[bytes]) -> None:
         with self._cond:
@@ -246,7 +246,7 @@ class BlockWriter:
             if block.meta.block_hash in existing:
                 continue
             checksum = block_checksum(block)
-            prefix, buffers = encode_block(block, checksum)
+            prefix, buffers = encode_file(block, checksum)
             size = file_size(prefix, buffers)
             if size > self.capacity_bytes or size > (self.quota_bytes or size):
                 self.counters.add("writes_dropped")

@@ -13,9 +13,9 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pagedkv.cache.hashing import BlockHasher, ExtraKeys
+from pagedkv.cache.pool import BlockPool, BlockTable
 from pagedkv.errors import OutOfBlocksError
-from pagedkv.hashing import BlockHasher, ExtraKeys
-from pagedkv.pool import BlockPool, BlockTable
 
 BS, MAX_BLOCKS, INITIAL = 2, 9, 4
 Content = tuple[str | None, tuple[int, ...]]

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from pagedkv.model import load_model
-from pagedkv.model.cache import GrowableLayer
+from pagedkv.model.kv_layer import GrowableLayer
 
 
 def test_appends_grow_and_crop_like_dynamic_layer() -> None:

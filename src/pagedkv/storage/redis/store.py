@@ -28,7 +28,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
-from pagedkv.storage.redis_format import decode_block, encode_block
+from pagedkv.storage.redis.format import decode_frame, encode_frame
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +180,8 @@ class RedisStore(KVTier):
     def _key(self, block_hash: bytes) -> str:
         return self._prefix + block_hash.hex()
 
-    def _children_key(self, parent_hash: bytes) -> str:
-        return self._prefix + "children:" + parent_hash.hex()
+    def _children_key(self, parent_key: bytes) -> str:
+        return self._prefix + "children:" + parent_key.hex()
 
     # -- calls through the breaker ------------------------------------------
 
@@ -244,7 +244,7 @@ class RedisStore(KVTier):
         bad: list[str] = []
         nbytes = 0
         for key, h, value in zip(keys, hashes, values, strict=True):
-            block = None if value is None else decode_block(value, h, self.namespace)
+            block = None if value is None else decode_frame(value, h, self.namespace)
             if value is not None:
                 nbytes += len(value)
                 if block is None:
@@ -279,9 +279,9 @@ class RedisStore(KVTier):
             keys = [self._key(h) for h in hashes]
             self._call(lambda: self.client.delete(*keys))
 
-    def children(self, parent_hash: bytes) -> list[BlockMeta]:
-        """Metadata of live children of `parent_hash`, newest first (see module doc)."""
-        zkey = self._children_key(parent_hash)
+    def children(self, parent_key: bytes) -> list[BlockMeta]:
+        """Metadata of live children of `parent_key`, newest first (see module doc)."""
+        zkey = self._children_key(parent_key)
         ok, members = self._call(lambda: cast("list[bytes]", self.client.zrevrange(zkey, 0, -1)))
         if not ok or not members:
             return []
@@ -296,13 +296,42 @@ class RedisStore(KVTier):
                 continue
             token_ids = np.frombuffer(tokens, dtype="<i4").astype(np.int32)
             block_hash = member[1 : 1 + hash_len]
-            metas.append(BlockMeta(block_hash, parent_hash, token_ids, self.namespace))
+            metas.append(BlockMeta(block_hash, parent_key, token_ids, self.namespace))
             kept.append(member)
         live = self.contains([m.block_hash for m in metas]) if metas else []
         broken += [member for member, alive in zip(kept, live, strict=True) if not alive]
         if broken:
             self._call(lambda: self.client.zrem(zkey, *broken))
         return [meta for meta, alive in zip(metas, live, strict=True) if alive]
+
+    def clear(self, namespace: str) -> int:
+        """Unlink every key of `namespace` (block values and children sets), with SCAN
+        in batches so Redis never blocks on one big command; other namespaces and the
+        seed stay. Queued writes of this store's namespace are dropped first. Returns
+        the number of keys removed; a Redis that fails midway leaves the rest to LRU."""
+        if ":" in namespace or not namespace:
+            raise ValueError(f"not a namespace: {namespace!r}")
+        if namespace == self.namespace:
+            with self._cond:
+                dropped = [b for b in self._queue if b.meta.namespace == namespace]
+                self._queue = deque(b for b in self._queue if b.meta.namespace != namespace)
+                self._queued_bytes -= sum(b.num_bytes for b in dropped)
+        pattern = f"pagedkv:{namespace}:*"
+
+        def op() -> int:
+            removed = 0
+            batch: list[bytes] = []
+            for key in self._write_client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= 1000:
+                    removed += int(self._write_client.unlink(*batch))
+                    batch = []
+            if batch:
+                removed += int(self._write_client.unlink(*batch))
+            return removed
+
+        ok, removed = self._call(op)
+        return int(removed or 0) if ok else 0
 
     def seed(self, candidate: bytes) -> bytes | None:
         """The shared hashing seed: `candidate` if no engine set one first; None if unreachable."""
@@ -321,7 +350,7 @@ class RedisStore(KVTier):
 
     def stats(self) -> TierStats:
         with self._stats_lock:
-            out = replace(self._stats, extra={})
+            out = replace(self._stats, location=self._where, extra={})
             skipped = self._skipped
         backoff = max(0.0, self._breaker.until - time.monotonic()) if self._breaker.failures else 0
         out.extra = {
@@ -389,7 +418,7 @@ class RedisStore(KVTier):
         frames: list[bytes] = []
         for block in blocks:
             try:
-                frames.append(encode_block(block))
+                frames.append(encode_frame(block))
                 batch.append(block)
             except ValueError as exc:
                 log.warning("Redis tier: block not stored: %s", exc)
@@ -404,7 +433,7 @@ class RedisStore(KVTier):
                 meta = block.meta
                 h = meta.block_hash
                 member = bytes((len(h),)) + h + np.asarray(meta.token_ids, "<i4").tobytes()
-                zkey = self._children_key(meta.parent_hash)
+                zkey = self._children_key(meta.parent_key)
                 pipe.set(self._key(h), frame)
                 pipe.zadd(zkey, {member: now})
                 pipe.zremrangebyrank(zkey, 0, -MAX_CHILDREN - 1)

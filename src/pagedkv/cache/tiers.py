@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import BlockMeta, KVBlock, KVTier
+from pagedkv.storage.base import BlockMeta, KVBlock, KVTier
 
 
 @dataclass(slots=True)
@@ -43,7 +43,7 @@ class LowerTiers:
         L, two, H, D = self.kv_shape
         return (
             (block_hash is None or meta.block_hash == block_hash)
-            and meta.parent_hash == parent_key
+            and meta.parent_key == parent_key
             and np.array_equal(meta.token_ids, tokens)
             and tuple(kv.shape) == (L, two, H, len(tokens), D)
         )

@@ -212,15 +212,13 @@ class SSDIndex:
             found.update(h for (h,) in rows)
         return found
 
-    def children(self, parent_hash: bytes, namespace: str) -> list[BlockMeta]:
+    def children(self, parent_key: bytes, namespace: str) -> list[BlockMeta]:
         rows = self._conn().execute(
             "SELECT hash, token_ids FROM blocks WHERE parent_hash = ? AND namespace = ?",
-            (parent_hash, namespace),
+            (parent_key, namespace),
         )
         return [
-            BlockMeta(
-                h, parent_hash, np.frombuffer(tokens, dtype="<i4").astype(np.int32), namespace
-            )
+            BlockMeta(h, parent_key, np.frombuffer(tokens, dtype="<i4").astype(np.int32), namespace)
             for h, tokens in rows
         ]
 
@@ -252,7 +250,7 @@ class SSDIndex:
         rows = [
             (
                 m.block_hash,
-                m.parent_hash,
+                m.parent_key,
                 m.namespace,
                 m.num_tokens,
                 size,
@@ -272,7 +270,7 @@ class SSDIndex:
     def insert_row(self, meta: BlockMeta, size: int, checksum: bytes, last_access: float) -> None:
         """A row for a file found on disk, with its file's time as its access time."""
         tokens = np.ascontiguousarray(meta.token_ids, dtype="<i4").tobytes()
-        row = (meta.block_hash, meta.parent_hash, meta.namespace, meta.num_tokens)
+        row = (meta.block_hash, meta.parent_key, meta.namespace, meta.num_tokens)
         with self.transaction() as conn:
             conn.execute(_UPSERT, (*row, size, checksum, last_access, tokens))
 

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from pagedkv.cache.hashing import BlockHasher, ExtraKeys
+from pagedkv.cache.pool import Block, BlockPool, BlockTable, PoolInvariantError
 from pagedkv.errors import OutOfBlocksError
-from pagedkv.hashing import BlockHasher, ExtraKeys
-from pagedkv.pool import Block, BlockPool, BlockTable, PoolInvariantError
 
 BS = 4
 
@@ -365,7 +365,7 @@ def test_a_collision_below_a_cached_child_cannot_splice_prefixes() -> None:
     assert pool.allocate(1) == [x0]  # evicts [9,9,9,9]; its child stays cached
     pool.free([x0])
     y = run_request(pool, [8, 8, 8, 8])
-    assert y[0].block_hash == x1.parent_hash  # the collision
+    assert y[0].block_hash == x1.parent_key  # the collision
     # x1 was computed after [9,9,9,9], so it must not follow [8,8,8,8].
     assert pool.match_prefix([8, 8, 8, 8, 5, 5, 5, 5]).num_tokens == 4
     assert pool.match_prefix([8, 8, 8, 8, 5, 5, 5]).num_tokens == 4

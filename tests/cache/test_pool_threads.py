@@ -14,9 +14,9 @@ import random
 import sys
 import threading
 
+from pagedkv.cache.hashing import BlockHasher
+from pagedkv.cache.pool import Block, BlockPool, BlockTable
 from pagedkv.errors import OutOfBlocksError
-from pagedkv.hashing import BlockHasher
-from pagedkv.pool import Block, BlockPool, BlockTable
 
 BS, MAX_BLOCKS, THREADS, ROUNDS = 4, 48, 4, 300
 

@@ -1,0 +1,94 @@
+"""Assembles a prefix cache from a CacheConfig: the tiers, the hashing seed, the pool."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from pagedkv.cache.hashing import BlockHasher
+from pagedkv.cache.pool import BlockPool
+from pagedkv.cache.prefix import PrefixCache
+from pagedkv.cache.ram import KVLayout, RamBlockStore
+from pagedkv.cache.tiers import LowerTiers
+from pagedkv.config import CacheConfig, default_ram_cache_bytes, default_ssd_cache_bytes
+from pagedkv.storage.base import KVTier
+
+log = logging.getLogger(__name__)
+
+
+def build_prefix_cache(
+    config: CacheConfig, layout: KVLayout, namespace: str, device: torch.device | str = "cpu"
+) -> PrefixCache | None:
+    """The prefix cache for blocks of `layout` in `namespace` (the model's fingerprint),
+    or None when the RAM budget holds less than one block."""
+    ram_bytes = config.ram_cache_bytes
+    if ram_bytes is None:
+        ram_bytes = default_ram_cache_bytes()
+    usable = ram_bytes // layout.bytes_per_block
+    if usable < 1:
+        log.warning(
+            "prefix caching is off: the RAM cache (%d bytes) holds less than one block "
+            "(%d bytes); raise ram_cache_bytes",
+            ram_bytes,
+            layout.bytes_per_block,
+        )
+        return None
+    tiers: list[KVTier] = []
+    if config.ssd_cache_dir is not None:
+        from pagedkv.storage.ssd import SSDStore
+
+        directory = Path(config.ssd_cache_dir)
+        capacity = config.ssd_cache_bytes or default_ssd_cache_bytes(directory)
+        tiers.append(
+            SSDStore(
+                directory,
+                capacity,
+                namespace,
+                namespace_quota_bytes=config.ssd_namespace_quota_bytes,
+                write_buffer_bytes=config.ssd_write_buffer_bytes,
+            )
+        )
+    if config.redis_url:
+        from pagedkv.storage.redis import RedisStore
+
+        tiers.append(RedisStore(config.redis_url, namespace))
+    seed = resolve_seed(config.hash_seed, tiers)
+    hasher = BlockHasher(config.block_size, namespace, config.hash_algorithm, seed)
+    max_blocks = usable + 1  # block 0 is the pool's null block
+    ram = RamBlockStore(layout, max_blocks, device=device)
+    pool = BlockPool(
+        config.block_size,
+        max_blocks,
+        initial_blocks=min(ram.slab_blocks, max_blocks),
+        hasher=hasher,
+    )
+    kv_shape = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+    log.info(
+        "prefix cache: block size %d, RAM %.1f MiB (%d blocks), tiers: %s",
+        config.block_size,
+        usable * layout.bytes_per_block / 2**20,
+        usable,
+        ", ".join(["ram"] + [t.name for t in tiers]),
+    )
+    return PrefixCache(pool, ram, LowerTiers(tiers, kv_shape), namespace)
+
+
+def resolve_seed(configured: bytes | str | None, tiers: list[KVTier]) -> bytes:
+    """The hashing seed: the configured one, else the persistent tiers', else a random
+    seed for this process. Each tier in turn (SSD before Redis) is offered the seed
+    so far and answers with the one it keeps, creating it from the offer when it has
+    none; a later tier's answer wins, so every engine on one Redis agrees, and an
+    SSD directory meeting a fresh Redis hands it its own seed."""
+    if isinstance(configured, str):
+        configured = configured.encode()
+    seed = configured
+    if seed is None:
+        seed = os.urandom(16)
+        for tier in tiers:
+            seed = tier.seed(seed) or seed
+    for tier in tiers:
+        tier.check_seed(seed)
+    return seed

@@ -1,0 +1,299 @@
+"""The prefix cache: the block pool, the RAM block store and the lower tiers, joined.
+
+A request talks to it through one handle, a `RequestCache`, made by
+`PrefixCache.begin`. The handle owns the request's hash chain (the prompt is
+hashed once; generated tokens extend the chain), its lease on RAM blocks and
+what its lookup found in the lower tiers. Used by the engine's worker thread
+only; the pool's own lock keeps `stats()` readable from other threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedkv.cache.block import Block
+from pagedkv.cache.hashing import BlockHasher, ExtraKeys, TokenIds
+from pagedkv.cache.pool import BlockPool, PoolStats
+from pagedkv.cache.ram import RamBlockStore
+from pagedkv.cache.tiers import Found, LowerTiers
+from pagedkv.errors import OutOfBlocksError
+from pagedkv.storage.base import BlockMeta, KVBlock, TierStats
+
+log = logging.getLogger(__name__)
+
+# Produces the KV of tokens [start, end) of the running request, `[L, 2, H, end - start, D]`.
+KVSource = Callable[[int, int], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """The prefix cache's figures: the pool, then one `TierStats` per tier, RAM first."""
+
+    namespace: str
+    block_size: int
+    bytes_per_token: int
+    pool: PoolStats
+    tiers: dict[str, TierStats]
+
+
+class PrefixCache:
+    """Finds, restores and stores prefix KV across all tiers, for one model namespace."""
+
+    def __init__(
+        self, pool: BlockPool, ram: RamBlockStore, lower: LowerTiers, namespace: str
+    ) -> None:
+        self.pool = pool
+        self.ram = ram
+        self.lower = lower
+        self.namespace = namespace
+        self.hasher: BlockHasher = pool.hasher
+        self.block_size = pool.block_size
+        self.ram_hit_blocks = 0
+        self.alloc_failures = 0
+
+    def begin(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> RequestCache:
+        """The handle of one request whose prompt is `tokens`; hashes the prompt."""
+        return RequestCache(self, tokens, extra)
+
+    # -- shared by the handles ------------------------------------------------
+
+    def _allocate(self, n: int) -> list[Block] | None:
+        try:
+            blocks = self.pool.allocate(n)
+        except OutOfBlocksError:
+            self.alloc_failures += 1
+            return None
+        self.ram.ensure_capacity(self.pool.num_blocks)
+        return blocks
+
+    def _meta(self, block: Block) -> BlockMeta:
+        assert block.block_hash is not None and block.parent_key is not None
+        assert block.token_ids is not None
+        tokens = np.frombuffer(block.token_ids, dtype=np.int32).copy()
+        return BlockMeta(block.block_hash, block.parent_key, tokens, self.namespace)
+
+    def _write_through(self, blocks: Sequence[Block], sources: Sequence[str | None]) -> None:
+        """Copy newly cached RAM blocks to the lower tiers; a block that came from a tier
+        (`sources[i]`) is not written back to it."""
+        cached = [(b, s) for b, s in zip(blocks, sources, strict=True) if b.block_hash is not None]
+        if not self.lower or not cached:
+            return
+        kvs = self.ram.export([b.block_id for b, _ in cached], [b.num_tokens for b, _ in cached])
+        by_source: dict[str | None, list[KVBlock]] = {}
+        for (block, source), kv in zip(cached, kvs, strict=True):
+            by_source.setdefault(source, []).append(KVBlock(self._meta(block), kv))
+        for source, kv_blocks in by_source.items():
+            self.lower.put(kv_blocks, skip=source)
+
+    # -- maintenance ----------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        pool = self.pool.stats()
+        bpb = self.ram.layout.bytes_per_block
+        ram = TierStats(
+            "ram",
+            hits=self.ram_hit_blocks,
+            num_blocks=pool.cached,
+            bytes_used=pool.cached * bpb,
+            capacity_bytes=(pool.max_blocks - 1) * bpb,
+            extra={
+                "bytes_allocated": self.ram.bytes_allocated,
+                "alloc_failures": self.alloc_failures,
+            },
+        )
+        tiers = {"ram": ram} | {tier.name: tier.stats() for tier in self.lower.tiers}
+        return CacheStats(
+            self.namespace, self.block_size, self.ram.layout.bytes_per_token, pool, tiers
+        )
+
+    def clear(self) -> int:
+        """Forget this namespace's unreferenced blocks in every tier; other namespaces of a
+        shared SSD directory or Redis stay. Returns the RAM blocks dropped."""
+        dropped = self.pool.evict_all()
+        for tier in self.lower.tiers:
+            tier.clear(self.namespace)
+        return dropped
+
+    def close(self, timeout: float) -> None:
+        self.lower.flush(timeout)
+        self.lower.close()
+
+
+class RequestCache:
+    """One request's use of the prefix cache.
+
+    Order of calls: `restore_into` once, before the first forward; then
+    `cache_prompt` once the prompt's KV exists (after the first token, so that
+    nothing here lands on the time to first token); `cache_finished` when the
+    request ends or is preempted, with every token whose KV exists; `release`
+    always, last (idempotent). Caching is best effort: a full pool skips it,
+    never the request.
+
+    `table[i]` is the RAM block holding tokens `[i * block_size, (i + 1) *
+    block_size)`; the handle holds one reference on each until `release`.
+    """
+
+    def __init__(self, cache: PrefixCache, tokens: TokenIds, extra: ExtraKeys | None) -> None:
+        self._cache = cache
+        self.extra = extra
+        self.chain = cache.hasher.chain(tokens, extra)
+        self.num_prompt_tokens = self.chain.num_tokens
+        self.table: list[Block] = []
+        self.num_cached_tokens = 0
+        self.tier_hits: dict[str, int] = {}
+        # Tier of each full block the lookup found below RAM, in order after `table`.
+        self._sources: list[str] = []
+        self._tail: Found | None = None
+
+    # -- lookup and restore -----------------------------------------------------
+
+    def restore_into(self, out: torch.Tensor, limit: int) -> int:
+        """Find the longest cached prefix of the prompt in any tier, at most `limit`
+        tokens of it, and write its KV into `out` `[L, 2, H, >= limit, D]` (the model's
+        cache buffers). Returns the number of tokens restored. While a lower tier
+        reads, another thread faults `out`'s pages in, which would otherwise be a
+        third of the restore's time."""
+        cache, chain, bs = self._cache, self.chain, self._cache.block_size
+        match = cache.pool.match_prefix(chain.tokens, self.extra, chain=chain, acquire=True)
+        full = list(match.blocks[: match.num_full_blocks])
+        partial = match.blocks[len(full)] if len(match.blocks) > len(full) else None
+        self.table = full
+        cache.ram_hit_blocks += len(match.blocks)
+        found: list[Found] = []
+        prefault: list[threading.Thread] = []
+        try:
+            lower = cache.lower
+            if lower and len(full) < len(chain.hashes):
+                found = lower.fetch_full(
+                    chain.hashes,
+                    chain.parent_keys,
+                    chain.tokens,
+                    len(full),
+                    bs,
+                    lambda: prefault.append(_prefault(out)),
+                )
+            ram_tokens = match.num_tokens
+            if found and partial is not None:  # whole blocks beat a partial match
+                cache.pool.free([partial])
+                partial, ram_tokens = None, len(full) * bs
+            num_full = len(full) + len(found)
+            tail_tokens = 0
+            if lower and partial is None and num_full * bs < chain.num_tokens:
+                hit = lower.fetch_partial(
+                    chain.parent_keys[num_full], chain.tokens[num_full * bs :]
+                )
+                if hit is not None:
+                    self._tail, tail_tokens = hit
+            for thread in prefault:  # never leave a thread writing into `out`
+                thread.join()
+            prefault = []
+            n = min(max(ram_tokens, num_full * bs + tail_tokens), limit)
+            ram_tokens = min(ram_tokens, n)
+            if ram_tokens:
+                ids = [b.block_id for b in full] + ([partial.block_id] if partial else [])
+                cache.ram.gather_into(ids, out[:, :, :, :ram_tokens])
+            self._copy_found(found, out[:, :, :, ram_tokens:n])
+        except BaseException:
+            for thread in prefault:
+                thread.join()
+            self.release()
+            raise
+        finally:
+            if partial is not None:
+                cache.pool.free([partial])
+        self._sources = [f.tier for f in found]
+        self.num_cached_tokens = n
+        self._count("ram", ram_tokens)
+        for i, f in enumerate(found):
+            self._count(f.tier, max(0, min(bs, n - (len(full) + i) * bs)))
+        if self._tail is not None:
+            self._count(self._tail.tier, max(0, n - num_full * bs))
+        return n
+
+    def _copy_found(self, found: list[Found], out: torch.Tensor) -> None:
+        left = out.shape[3]
+        if not left:
+            return
+        pieces = []
+        for f in found + ([self._tail] if self._tail is not None else []):
+            take = min(f.block.kv.shape[3], left)
+            pieces.append(f.block.kv[:, :, :, :take])
+            left -= take
+            if not left:
+                break
+        torch.cat(pieces, dim=3, out=out)
+
+    def _count(self, tier: str, num_tokens: int) -> None:
+        if num_tokens:
+            self.tier_hits[tier] = self.tier_hits.get(tier, 0) + num_tokens
+
+    # -- store -----------------------------------------------------------------
+
+    def cache_prompt(self, kv_of: KVSource) -> None:
+        """Cache the prompt's full blocks that RAM lacks, from the request's KV: those a
+        lower tier supplied are written through to the other tiers (a Redis hit goes to
+        SSD), those computed here to every tier. A partial tail found in a lower tier is
+        not copied up: the request caches its own tail when it finishes."""
+        sources: list[str | None] = list(self._sources)
+        self._sources, self._tail = [], None
+        num_full = self.num_prompt_tokens // self._cache.block_size
+        added = self._cache_blocks(num_full, kv_of)
+        if added:
+            self._cache._write_through(added, (sources + [None] * len(added))[: len(added)])
+
+    def cache_finished(self, tokens: Sequence[int], kv_of: KVSource) -> None:
+        """Cache every block of `tokens` (the prompt, then the generated tokens whose KV
+        exists) beyond `table`, the partial last block too, and write them through."""
+        if len(tokens) < self.chain.num_tokens:
+            raise ValueError(
+                f"cache_finished got {len(tokens)} tokens, fewer than the "
+                f"{self.chain.num_tokens} the request's chain holds"
+            )
+        known = self.chain.num_tokens
+        self.chain = self._cache.hasher.extend(self.chain, tokens[known:], self.extra)
+        bs = self._cache.block_size
+        added = self._cache_blocks(-(-self.chain.num_tokens // bs), kv_of)
+        if added:
+            self._cache._write_through(added, [None] * len(added))
+
+    def _cache_blocks(self, num_blocks: int, kv_of: KVSource) -> list[Block]:
+        """Put the request's KV of blocks `[len(table), num_blocks)` into new RAM blocks
+        and register them; returns the new blocks."""
+        cache, bs = self._cache, self._cache.block_size
+        start = len(self.table)
+        if num_blocks <= start:
+            return []
+        new = cache._allocate(num_blocks - start)
+        if new is None:
+            return []
+        end = min(self.chain.num_tokens, num_blocks * bs)
+        cache.ram.scatter([b.block_id for b in new], kv_of(start * bs, end))
+        self.table = self.table + new
+        cache.pool.cache_blocks(self.table, self.chain.tokens[:end], self.extra, chain=self.chain)
+        return new
+
+    def release(self) -> None:
+        """Drop the handle's references; its cached blocks stay findable until evicted."""
+        self._tail = None
+        if self.table:
+            self._cache.pool.free(self.table)
+            self.table = []
+
+
+def _prefault(t: torch.Tensor) -> threading.Thread:
+    """Touch every page of `t`'s memory on another thread. memset through ctypes,
+    not a torch op: ctypes drops the GIL, and a torch op on a second thread would
+    leave an OpenMP team behind that slows the worker's forwards."""
+    storage = t.untyped_storage()
+    thread = threading.Thread(
+        target=ctypes.memset, args=(storage.data_ptr(), 0, storage.nbytes()), daemon=True
+    )
+    thread.start()
+    return thread

@@ -1,0 +1,102 @@
+"""Command-line flags shared by `pagedkv serve`, `generate` and `bench`, and the
+CacheConfig they describe.
+
+Every flag also reads an environment variable `PAGEDKV_<FLAG>` (dashes become
+underscores), e.g. `PAGEDKV_RAM_CACHE=2GB`; a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from pagedkv.config import CacheConfig, default_ssd_cache_dir, parse_size
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def env(flag: str, default: Any = None) -> Any:
+    return os.environ.get("PAGEDKV_" + flag.lstrip("-").replace("-", "_").upper(), default)
+
+
+def env_bool(flag: str) -> bool:
+    return str(env(flag, "")).lower() in ("1", "true", "yes", "on")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=env("--model", DEFAULT_MODEL),
+        help=f"model directory or the bundled '{DEFAULT_MODEL}' (default)",
+    )
+    p.add_argument("--device", default=env("--device", "auto"), choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--dtype",
+        default=env("--dtype", "auto"),
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    p.add_argument(
+        "--log-level",
+        default=env("--log-level", "info"),
+        choices=["debug", "info", "warning", "error"],
+    )
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=int(env("--block-size", 64)),
+        help="tokens per KV block, a power of two (default 64)",
+    )
+    p.add_argument(
+        "--ram-cache",
+        default=env("--ram-cache"),
+        help="RAM tier budget, e.g. 2GB (default: 25%% of available memory, <= 8 GiB)",
+    )
+    p.add_argument(
+        "--ssd-cache-dir",
+        default=env("--ssd-cache-dir", str(default_ssd_cache_dir())),
+        help="persistent SSD tier directory (default ~/.cache/pagedkv/kv)",
+    )
+    p.add_argument(
+        "--ssd-cache",
+        default=env("--ssd-cache"),
+        help="SSD tier capacity, e.g. 20GiB (default min(20 GiB, 10%% of free disk))",
+    )
+    p.add_argument(
+        "--no-ssd-cache",
+        action="store_true",
+        default=env_bool("--no-ssd-cache"),
+        help="keep the cache in RAM only",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=env("--redis-url"),
+        help="shared Redis tier, e.g. redis://127.0.0.1:6379/0",
+    )
+    p.add_argument(
+        "--hash-algorithm",
+        default=env("--hash-algorithm", "xxh3_128"),
+        choices=["xxh3_128", "sha256"],
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        default=env_bool("--no-prefix-cache"),
+        help="turn prefix caching off",
+    )
+
+
+def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
+    return CacheConfig(
+        block_size=args.block_size,
+        ram_cache_bytes=parse_size(args.ram_cache) if args.ram_cache else None,
+        ssd_cache_dir=None if args.no_ssd_cache else Path(args.ssd_cache_dir).expanduser(),
+        ssd_cache_bytes=parse_size(args.ssd_cache) if args.ssd_cache else None,
+        redis_url=args.redis_url or None,
+        hash_algorithm=args.hash_algorithm,
+        enable_prefix_caching=not args.no_prefix_cache,
+    )

@@ -1,0 +1,43 @@
+"""What the server needs of an engine: `pagedkv.Engine` has it, and so does a test double."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+from pagedkv.engine.request import StreamEvent
+from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.stats import EngineStats
+
+
+class EngineAPI(Protocol):
+    """The engine as the routes, metrics and shutdown see it."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]: ...
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Iterator[StreamEvent]: ...
+
+    def num_active_requests(self) -> int: ...
+
+    def cache_stats(self) -> EngineStats: ...
+
+    def clear_cache(self) -> None: ...
+
+    def close(self, timeout: float = 20.0) -> None: ...
