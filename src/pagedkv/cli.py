@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.config import default_ssd_cache_dir
-from pagedkv.flags import add_cache_flags, add_model_flags, cache_config_from_args, env
+from pagedkv.flags import (
+    add_cache_flags,
+    add_model_flags,
+    add_scheduler_flags,
+    cache_config_from_args,
+    env,
+    scheduler_config_from_args,
+)
 
 
 def _load_engine(args: argparse.Namespace) -> Any:
@@ -27,6 +34,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
         device=args.device,
         dtype=args.dtype,
         max_queue=getattr(args, "max_queue", 64),
+        scheduling=scheduler_config_from_args(args),
     )
 
 
@@ -122,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_model_flags(serve)
     add_cache_flags(serve)
+    add_scheduler_flags(serve)
     serve.add_argument("--host", default=env("--host", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(env("--port", 8000)))
     serve.add_argument(
@@ -150,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     add_model_flags(gen)
     add_cache_flags(gen)
+    add_scheduler_flags(gen)
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=int(env("--max-tokens", 128)))
     gen.add_argument("--temperature", type=float, default=float(env("--temperature", 0.0)))
@@ -160,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure prefix reuse on realistic workloads")
     add_model_flags(bench)
     add_cache_flags(bench)
+    add_scheduler_flags(bench)
     bench.add_argument(
         "--workload",
         action="append",

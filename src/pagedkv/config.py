@@ -40,6 +40,13 @@ def default_ram_cache_bytes() -> int:
     return int(min(psutil.virtual_memory().available * 0.25, 8 * GiB))
 
 
+def default_kv_budget_bytes() -> int:
+    """KV of running requests: a fifth of the memory available now, at most 4 GiB. With
+    the RAM tier's default (a quarter, at most 8 GiB) that leaves over half the
+    memory for the model, its activations and everything else."""
+    return int(min(psutil.virtual_memory().available * 0.20, 4 * GiB))
+
+
 def cache_home() -> Path:
     """Root of pagedkv's user cache: $PAGEDKV_CACHE_HOME, else $XDG_CACHE_HOME/pagedkv,
     else ~/.cache/pagedkv. Tests point PAGEDKV_CACHE_HOME at a temporary directory."""
@@ -67,7 +74,9 @@ def default_ssd_cache_bytes(directory: Path) -> int:
 
 @dataclass
 class CacheConfig:
-    """How the prefix cache is laid out and where its tiers live.
+    """How the prefix cache is laid out and where its tiers live, and how much memory the
+    KV of running requests may take (`kv_budget_bytes`; a request is admitted when its
+    KV fits, and the newest is preempted when decoding outgrows it).
 
     The library writes nothing to disk unless `ssd_cache_dir` is given; the CLI
     turns the SSD tier on by default.
@@ -75,6 +84,7 @@ class CacheConfig:
 
     block_size: int = 64
     ram_cache_bytes: int | None = None  # None: default_ram_cache_bytes()
+    kv_budget_bytes: int | None = None  # running requests' KV; None: default_kv_budget_bytes()
     ssd_cache_dir: str | Path | None = None
     ssd_cache_bytes: int | None = None  # None: default_ssd_cache_bytes(dir)
     ssd_namespace_quota_bytes: int | None = None
@@ -92,7 +102,12 @@ class CacheConfig:
             raise ValueError(
                 f"hash_algorithm must be 'xxh3_128' or 'sha256', got {self.hash_algorithm!r}"
             )
-        for name in ("ram_cache_bytes", "ssd_cache_bytes", "ssd_namespace_quota_bytes"):
+        for name in (
+            "ram_cache_bytes",
+            "kv_budget_bytes",
+            "ssd_cache_bytes",
+            "ssd_namespace_quota_bytes",
+        ):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, parse_size(value))

@@ -40,5 +40,22 @@ class EngineOverloadedError(PagedKVError):
         )
 
 
+class RequestTooLargeError(PagedKVError, ValueError):
+    """A request whose KV could never fit the engine's KV budget, however long it waited."""
+
+    def __init__(
+        self, prompt_tokens: int, max_tokens: int, n: int, need_bytes: int, budget_bytes: int
+    ) -> None:
+        self.need_bytes = need_bytes
+        self.budget_bytes = budget_bytes
+        samples = f" x {n} samples" if n > 1 else ""
+        super().__init__(
+            f"the request needs {need_bytes / 2**20:.1f} MiB of KV ({prompt_tokens} prompt "
+            f"tokens + {max_tokens} max_tokens{samples}) but the engine's KV budget for "
+            f"running requests is {budget_bytes / 2**20:.1f} MiB; lower max_tokens or n, "
+            "or raise the budget (--kv-budget)"
+        )
+
+
 class EngineClosedError(PagedKVError):
     """The engine was closed (or is shutting down) and takes no more requests."""

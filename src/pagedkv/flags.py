@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.config import CacheConfig, default_ssd_cache_dir, parse_size
+
+if TYPE_CHECKING:
+    from pagedkv.engine.scheduler import SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -90,10 +93,53 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-budget",
+        default=env("--kv-budget"),
+        help="memory for the KV of running requests, e.g. 2GB; requests wait for room and "
+        "the newest is preempted when it runs out (default: 20%% of available memory, "
+        "<= 4 GiB)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=int(env("--max-num-seqs", 16)),
+        help="sequences decoding together in one batch (default 16)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=int(env("--max-num-batched-tokens", 512)),
+        help="tokens one step computes: each decoding sequence's next token plus prefill "
+        "chunks of new requests (default 512)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=env_bool("--deterministic"),
+        help="make each request's output independent of what else is in the batch "
+        "(slightly slower; see docs/usage.md)",
+    )
+
+
+def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    from pagedkv.engine.scheduler import SchedulerConfig  # the engine loads torch: not at parse
+
+    return SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        deterministic=args.deterministic,
+    )
+
+
 def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
     return CacheConfig(
         block_size=args.block_size,
         ram_cache_bytes=parse_size(args.ram_cache) if args.ram_cache else None,
+        kv_budget_bytes=parse_size(kv_budget)
+        if (kv_budget := getattr(args, "kv_budget", None))
+        else None,
         ssd_cache_dir=None if args.no_ssd_cache else Path(args.ssd_cache_dir).expanduser(),
         ssd_cache_bytes=parse_size(args.ssd_cache) if args.ssd_cache else None,
         redis_url=args.redis_url or None,

@@ -15,7 +15,8 @@ from transformers import AutoConfig
 
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model import BUNDLED_MODEL_NAME, ModelAdapter, bundled, fingerprint, load_model
-from pagedkv.model.hf import prefix_caching_unsupported_reason, resolve_dtype
+from pagedkv.model.hf import resolve_dtype
+from pagedkv.model.kinds import prefix_caching_unsupported_reason
 
 PROMPT = (
     "Tokens flow through two tiny layers; keys and values pile up, block after block, "

@@ -223,6 +223,32 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert err.value.param == "top_logprobs"
 
 
+def test_n_choices_streamed_and_not(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": unique_text(20)}]
+    kw: dict[str, Any] = {
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 3,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1, "three samples gave one text: n did not sample n times"
+    assert whole.usage is not None and whole.usage.completion_tokens == 3 * 10
+    _, usage, chunks = stream_chat(client, messages, **kw)
+    streamed = ["", "", ""]
+    finished = set()
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert streamed == texts and finished == {0, 1, 2}
+    assert usage.completion_tokens == 3 * 10
+
+
 def test_eight_concurrent_streams_each_get_their_own_text(client: openai.OpenAI) -> None:
     prompts = [[{"role": "user", "content": unique_text(30)}] for _ in range(8)]
     expected = [

@@ -208,7 +208,7 @@ def run_workload(adapter: Any, workload: Workload, config: CacheConfig) -> dict[
             "output length, ignore_eos",
             "ideal_method": "exact: prompt ids + generated ids of the cached pass",
             "prompt_format": render.kind,
-            "cache_stats": stats,
+            "cache_stats": dataclasses.asdict(stats),
             "notes": notes,
         },
     )

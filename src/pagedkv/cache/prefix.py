@@ -20,7 +20,7 @@ import torch
 
 from pagedkv.cache.block import Block
 from pagedkv.cache.hashing import BlockHasher, ExtraKeys, TokenIds
-from pagedkv.cache.pool import BlockPool, PoolStats
+from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
 from pagedkv.cache.ram import RamBlockStore
 from pagedkv.cache.tiers import Found, LowerTiers
 from pagedkv.errors import OutOfBlocksError
@@ -70,7 +70,11 @@ class PrefixCache:
         except OutOfBlocksError:
             self.alloc_failures += 1
             return None
-        self.ram.ensure_capacity(self.pool.num_blocks)
+        try:
+            self.ram.ensure_capacity(self.pool.num_blocks)
+        except BaseException:  # no memory for the slab: the blocks go back
+            self.pool.free(blocks)
+            raise
         return blocks
 
     def _meta(self, block: Block) -> BlockMeta:
@@ -244,28 +248,37 @@ class RequestCache:
         sources: list[str | None] = list(self._sources)
         self._sources, self._tail = [], None
         num_full = self.num_prompt_tokens // self._cache.block_size
-        added = self._cache_blocks(num_full, kv_of)
+        added = self._cache_blocks(num_full, kv_of, self.num_prompt_tokens)
         if added:
             self._cache._write_through(added, (sources + [None] * len(added))[: len(added)])
 
     def cache_finished(self, tokens: Sequence[int], kv_of: KVSource) -> None:
         """Cache every block of `tokens` (the prompt, then the generated tokens whose KV
-        exists) beyond `table`, the partial last block too, and write them through."""
-        if len(tokens) < self.chain.num_tokens:
-            raise ValueError(
-                f"cache_finished got {len(tokens)} tokens, fewer than the "
-                f"{self.chain.num_tokens} the request's chain holds"
-            )
+        exists; fewer than the prompt when a prefill stopped early) beyond `table`, the
+        partial last block too, and write them through."""
         known = self.chain.num_tokens
-        self.chain = self._cache.hasher.extend(self.chain, tokens[known:], self.extra)
+        if len(tokens) > known:
+            self.chain = self._cache.hasher.extend(self.chain, tokens[known:], self.extra)
         bs = self._cache.block_size
-        added = self._cache_blocks(-(-self.chain.num_tokens // bs), kv_of)
+        added = self._cache_blocks(-(-len(tokens) // bs), kv_of, len(tokens))
         if added:
             self._cache._write_through(added, [None] * len(added))
 
-    def _cache_blocks(self, num_blocks: int, kv_of: KVSource) -> list[Block]:
-        """Put the request's KV of blocks `[len(table), num_blocks)` into new RAM blocks
-        and register them; returns the new blocks."""
+    def fork(self) -> RequestCache:
+        """A handle for another sample of the same request: the same chain, and one more
+        reference on every block this one holds (the pool's copy-on-write sharing: the
+        blocks are never written, new tokens go to new blocks)."""
+        twin = RequestCache.__new__(RequestCache)
+        twin._cache, twin.extra, twin.chain = self._cache, self.extra, self.chain
+        twin.num_prompt_tokens = self.num_prompt_tokens
+        twin.num_cached_tokens, twin.tier_hits = self.num_cached_tokens, dict(self.tier_hits)
+        twin._sources, twin._tail = [], None
+        twin.table = self._cache.pool.fork(BlockTable("fork", self.table), "twin").blocks
+        return twin
+
+    def _cache_blocks(self, num_blocks: int, kv_of: KVSource, num_tokens: int) -> list[Block]:
+        """Put the request's KV of blocks `[len(table), num_blocks)`, up to token
+        `num_tokens`, into new RAM blocks and register them; returns the new blocks."""
         cache, bs = self._cache, self._cache.block_size
         start = len(self.table)
         if num_blocks <= start:
@@ -273,8 +286,12 @@ class RequestCache:
         new = cache._allocate(num_blocks - start)
         if new is None:
             return []
-        end = min(self.chain.num_tokens, num_blocks * bs)
-        cache.ram.scatter([b.block_id for b in new], kv_of(start * bs, end))
+        end = min(num_tokens, num_blocks * bs)
+        try:
+            cache.ram.scatter([b.block_id for b in new], kv_of(start * bs, end))
+        except BaseException:
+            cache.pool.free(new)
+            raise
         self.table = self.table + new
         cache.pool.cache_blocks(self.table, self.chain.tokens[:end], self.extra, chain=self.chain)
         return new

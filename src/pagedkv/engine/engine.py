@@ -1,34 +1,36 @@
-"""The engine: one model worker serving queued requests with prefix reuse."""
+"""The engine: many requests at once on one model, with prefix reuse."""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
-
-import torch
 
 from pagedkv.cache.builder import build_prefix_cache
 from pagedkv.cache.hashing import ExtraKeys
-from pagedkv.cache.prefix import PrefixCache, RequestCache
+from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
-from pagedkv.config import CacheConfig
-from pagedkv.engine.detokenize import Detokenizer
-from pagedkv.engine.request import GenerationResult, Request, RequestStream, StreamEvent
-from pagedkv.engine.sampling import Sampler, SamplingParams
-from pagedkv.engine.stats import EngineStats, RequestCounters
-from pagedkv.errors import EngineClosedError, EngineOverloadedError, PagedKVError
+from pagedkv.config import CacheConfig, default_kv_budget_bytes
+from pagedkv.engine.request import GenerationResult, Request, RequestStream
+from pagedkv.engine.sampling import SamplingParams
+from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
+from pagedkv.engine.stats import EngineStats, RequestCounters, SchedulerStats
+from pagedkv.engine.worker import Worker
+from pagedkv.errors import (
+    EngineClosedError,
+    EngineOverloadedError,
+    PagedKVError,
+    RequestTooLargeError,
+)
 from pagedkv.model import ModelAdapter, load_model
+from pagedkv.model.batch import DeterministicRows, linear_weights
 
 log = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 512
 _STOP = object()
 
 
@@ -36,32 +38,45 @@ class Engine:
     """Serves generate/stream/chat calls from any number of threads.
 
     One worker thread owns the model, the block pool and the RAM tier; callers
-    hand it requests through a bounded queue and read events back. Requests in
-    flight advance in turn, one prefill chunk or one decoded token at a time,
-    so a long generation does not stall a short one. A request's blocks are
-    released in a `finally`, so an error or a cancelled stream never leaks
-    references.
+    hand it requests through a queue (at most `max_queue` waiting or running)
+    and read events back. The worker runs every running request in one batched
+    forward per step (see `engine.worker` and `engine.scheduler`), inside a KV
+    memory budget (`CacheConfig.kv_budget_bytes`). Every request's blocks and
+    buffers are released however it ends.
     """
 
     def __init__(
-        self, adapter: ModelAdapter, config: CacheConfig | None = None, max_queue: int = 64
+        self,
+        adapter: ModelAdapter,
+        config: CacheConfig | None = None,
+        max_queue: int = 64,
+        scheduling: SchedulerConfig | None = None,
     ) -> None:
         self.adapter = adapter
         self.config = config or CacheConfig()
         self.max_queue = max_queue
+        self.scheduling = scheduling or SchedulerConfig()
         self.caching_off_reason: str | None = None
         self.prefix: PrefixCache | None = self._build_prefix_cache()
+        budget = self.config.kv_budget_bytes
+        self.kv_budget_bytes = default_kv_budget_bytes() if budget is None else budget
+        scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // adapter.kv_bytes_per_token)
+        self._worker = Worker(adapter, self.prefix, scheduler, self._request_done)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
         self._closed = False
+        self._dead: BaseException | None = None
         self._counters = RequestCounters()
-        self._worker = threading.Thread(target=self._loop, name="pagedkv-worker", daemon=True)
-        self._worker.start()
+        self._thread = threading.Thread(target=self._loop, name="pagedkv-worker", daemon=True)
+        self._thread.start()
         # On the worker thread, like every forward: the first one in a thread is slow,
         # and a second thread running OpenMP forwards (this one) would slow every
         # later forward of the worker by ~30% for the life of the process.
         self._call(adapter.warmup)
+        if self.scheduling.deterministic and adapter.batched:
+            self._worker.rows = self._call(lambda: DeterministicRows(linear_weights(adapter.model)))
+            log.info("deterministic batches: row counts %s", self._worker.rows.stable)
 
     @classmethod
     def from_pretrained(
@@ -71,8 +86,9 @@ class Engine:
         device: str = "auto",
         dtype: str = "auto",
         max_queue: int = 64,
+        scheduling: SchedulerConfig | None = None,
     ) -> Engine:
-        return cls(load_model(model, device=device, dtype=dtype), config, max_queue)
+        return cls(load_model(model, device=device, dtype=dtype), config, max_queue, scheduling)
 
     def _build_prefix_cache(self) -> PrefixCache | None:
         adapter, config = self.adapter, self.config
@@ -82,9 +98,7 @@ class Engine:
             return None
         if not adapter.prefix_caching_supported:
             self.caching_off_reason = adapter.unsupported_reason
-            log.warning(
-                "prefix caching is off for %s: %s", adapter.name, adapter.unsupported_reason
-            )
+            log.warning("prefix caching is off for %s: %s", adapter.name, self.caching_off_reason)
             return None
         layout = KVLayout(
             adapter.num_layers,
@@ -113,6 +127,11 @@ class Engine:
     def vocab_size(self) -> int:
         return self.adapter.vocab_size
 
+    @property
+    def healthy(self) -> bool:
+        """False once the worker thread has died (a bug); the engine then serves nothing."""
+        return self._dead is None and self._thread.is_alive()
+
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.adapter.decode(token_ids)
 
@@ -129,11 +148,27 @@ class Engine:
         *,
         cache_salt: str | None = None,
     ) -> GenerationResult:
+        """The finished request (`params.n` must be 1; see `generate_n`)."""
+        if params is not None and params.n != 1:
+            raise ValueError(f"generate returns one sample, n is {params.n}: use generate_n")
+        return self.generate_n(prompt, params, cache_salt=cache_salt)[0]
+
+    def generate_n(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[GenerationResult]:
+        """The `params.n` samples of one request, by index."""
+        results: dict[int, GenerationResult] = {}
         for event in self.stream(prompt, params, cache_salt=cache_salt):
             if event.finished:
                 assert event.result is not None
-                return event.result
-        raise PagedKVError("the request ended without a result")  # pragma: no cover
+                results[event.index] = event.result
+        if not results:
+            raise PagedKVError("the request ended without a result")  # pragma: no cover
+        return [results[i] for i in sorted(results)]
 
     def stream(
         self,
@@ -172,14 +207,27 @@ class Engine:
             return self._pending
 
     def cache_stats(self) -> EngineStats:
+        worker, sched = self._worker, self._worker.scheduler
         with self._lock:
             counters = dataclasses.replace(self._counters)
+        scheduling = SchedulerStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv_budget_bytes=self.kv_budget_bytes,
+            kv_reserved_bytes=sched.reserved_tokens * self.adapter.kv_bytes_per_token,
+            preemptions=worker.preemptions,
+            steps=worker.steps,
+            cache_errors=worker.cache_errors,
+            batched=self.adapter.batched,
+            deterministic=self.scheduling.deterministic,
+        )
         return EngineStats(
             model=self.model_name,
             prefix_caching=self.prefix is not None,
             caching_off_reason=self.caching_off_reason,
             requests=counters,
             cache=self.prefix.stats() if self.prefix is not None else None,
+            scheduling=scheduling,
         )
 
     def clear_cache(self) -> None:
@@ -196,7 +244,7 @@ class Engine:
             self._closed = True
         deadline = time.monotonic() + timeout
         self._queue.put(_STOP)
-        self._worker.join(max(0.0, deadline - time.monotonic() - 1.0))
+        self._thread.join(max(0.0, deadline - time.monotonic() - 1.0))
         if self.prefix is not None:
             self.prefix.close(max(0.5, deadline - time.monotonic()))
 
@@ -216,9 +264,13 @@ class Engine:
                 f"the prompt has {len(ids)} tokens but the model's context is "
                 f"{self.max_context}: shorten it"
             )
+        answer = min(params.max_tokens, self.max_context - len(ids))
+        need = (len(ids) + answer) * params.n * self.adapter.kv_bytes_per_token
+        if need > self.kv_budget_bytes:
+            raise RequestTooLargeError(len(ids), answer, params.n, need, self.kv_budget_bytes)
         with self._lock:
-            if self._closed:
-                raise EngineClosedError("the engine is closed")
+            if self._closed or self._dead is not None:
+                raise EngineClosedError(self._closed_reason())
             if self._pending >= self.max_queue:
                 raise EngineOverloadedError(self._pending, self.max_queue)
             self._pending += 1
@@ -226,10 +278,15 @@ class Engine:
         self._queue.put(req)
         return req
 
+    def _closed_reason(self) -> str:
+        if self._dead is not None:
+            return f"the engine's worker died ({type(self._dead).__name__}: {self._dead})"
+        return "the engine is closed"
+
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the worker thread and wait for it."""
-        if self._closed:
-            raise EngineClosedError("the engine is closed")
+        if self._closed or self._dead is not None:
+            raise EngineClosedError(self._closed_reason())
         done: queue.Queue[Any] = queue.Queue()
         self._queue.put((fn, done))
         result = done.get()
@@ -240,155 +297,76 @@ class Engine:
     # -- worker side --------------------------------------------------------
 
     def _loop(self) -> None:
-        active: list[tuple[Request, Generator[None, None, None]]] = []
+        try:
+            self._serve()
+        except BaseException as exc:  # a bug: end every caller rather than hang them
+            log.critical("the engine's worker died; failing every request", exc_info=True)
+            self._dead = exc
+            dead = EngineClosedError(self._closed_reason())
+            self._worker.fail_all(dead)
+            self._drain(dead)
+
+    def _serve(self) -> None:
+        worker = self._worker
         stopping = False
-        while not (stopping and not active):
-            try:
-                item = self._queue.get(block=not active and not stopping, timeout=None)
-            except queue.Empty:
-                item = None
-            while item is not None:
-                if item is _STOP:
-                    stopping = True
-                elif isinstance(item, tuple):
-                    fn, done = item
-                    try:
-                        done.put(fn())
-                    except BaseException as exc:  # handed back to the caller
-                        done.put(exc)
-                elif stopping:
-                    item.events.put(EngineClosedError("the engine is shutting down"))
-                    self._finish(item, None)
-                else:
-                    active.append((item, self._run(item)))
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    item = None
+        while True:
+            stopping = self._take_queued(block=not worker.busy and not stopping) or stopping
             if stopping:
-                for req, _ in active:
-                    req.cancelled.set()
-            for entry in list(active):
-                req, gen = entry
+                worker.fail_all(EngineClosedError("the engine is shutting down"))
+                return
+            worker.step()
+
+    def _take_queued(self, block: bool) -> bool:
+        """Move queued requests to the scheduler and run queued calls; True on stop."""
+        try:
+            item = self._queue.get(block=block)
+        except queue.Empty:
+            return False
+        while True:
+            if item is _STOP:
+                return True
+            if isinstance(item, tuple):
+                fn, done = item
                 try:
-                    if req.cancelled.is_set():
-                        if inspect.getgeneratorstate(gen) == inspect.GEN_CREATED:
-                            self._abandon(req)  # closing it would not run its `finally`
-                        gen.close()
-                        raise StopIteration
-                    next(gen)
-                except StopIteration:
-                    active.remove(entry)
+                    done.put(fn())
+                except BaseException as exc:  # handed back to the caller
+                    done.put(exc)
+            else:
+                self._worker.add(item)
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return False
 
-    def _abandon(self, req: Request) -> None:
-        """End a request cancelled before it started: nothing to release."""
-        result = GenerationResult("", [], len(req.prompt), 0, 0.0, "cancelled")
-        req.events.put(StreamEvent([], "", finished=True, result=result))
-        self._finish(req, result)
+    def _drain(self, exc: BaseException) -> None:
+        """After the worker died: fail whatever is still queued, now and later."""
+        while True:
+            try:
+                item = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if self._closed:
+                    return
+                continue
+            if item is _STOP:
+                return
+            if isinstance(item, tuple):
+                item[1].put(exc)
+            else:
+                item.events.put(exc)
+                self._request_done(item)
 
-    def _finish(self, req: Request, result: GenerationResult | None, error: bool = False) -> None:
+    def _request_done(self, req: Request) -> None:
         with self._lock:
             self._pending -= 1
             c = self._counters
-            if error:
+            if req.failed:
                 c.errors += 1
-            if result is not None:
-                c.requests += 1
-                c.prompt_tokens += result.prompt_tokens
-                c.cached_tokens += result.cached_tokens
-                c.generated_tokens += len(result.token_ids)
-                c.cancelled += result.finish_reason == "cancelled"
-
-    def _run(self, req: Request) -> Generator[None, None, None]:
-        """One request, advanced one step per `next`: lookup, prefill chunks, tokens."""
-        adapter, prefix, params = self.adapter, self.prefix, req.params
-        prompt = req.prompt
-        max_tokens = min(params.max_tokens, self.max_context - len(prompt))
-        handle: RequestCache | None = None
-        generated: list[int] = []
-        logprobs: list[float] = []
-        ttft = 0.0
-        reason = "cancelled"
-        cached = 0
-        decoder: Detokenizer | None = None
-        error: Exception | None = None
-        kv: Any = None
-        # Room for the prompt and the first answer tokens; a longer answer grows it.
-        capacity = len(prompt) + min(max_tokens, 256)
-        try:
-            if prefix is None:
-                kv = adapter.new_cache(capacity)
-            else:
-                kv, buffers = adapter.cache_with_buffers(capacity)
-                handle = prefix.begin(prompt, req.extra)
-                cached = handle.restore_into(buffers, len(prompt) - 1)
-                adapter.set_cache_length(kv, cached)
-            logits = None
-            for start in range(cached, len(prompt), PREFILL_CHUNK):
-                logits, kv = adapter.forward(prompt[start : start + PREFILL_CHUNK], kv)
-                if start + PREFILL_CHUNK < len(prompt):
-                    yield
-            assert logits is not None
-            decoder = Detokenizer(adapter, params, ignore=set(adapter.eos_token_ids))
-            sampler = Sampler(params)
-            for step in itertools.count():
-                token, lp = sampler.sample(logits)
-                if step == 0:
-                    ttft = time.perf_counter() - req.submitted
-                generated.append(token)
-                logprobs.append(lp)
-                delta, done = decoder.push(token)
-                if done is None and len(generated) >= max_tokens:
-                    done = "length"
-                if done is not None:
-                    reason = done
-                    delta += decoder.flush()
-                req.events.put(
-                    StreamEvent([token], delta, logprobs=[lp] if params.logprobs else None)
-                )
-                if step == 0 and handle is not None:
-                    # After the first token, not before: nothing here is needed for it.
-                    handle.cache_prompt(self._kv_source(kv))
-                if done is not None:
-                    break
-                yield
-                logits, kv = adapter.forward([token], kv)
-        except Exception as exc:
-            log.exception("request failed")
-            error, reason = exc, "error"
-        finally:
-            if handle is not None:
-                try:
-                    if reason not in ("cancelled", "error"):
-                        handle.cache_finished(prompt + generated[:-1], self._kv_source(kv))
-                finally:
-                    handle.release()
-            result = GenerationResult(
-                text=decoder.text if decoder else "",
-                token_ids=generated,
-                prompt_tokens=len(prompt),
-                cached_tokens=cached,
-                ttft_s=ttft,
-                finish_reason=reason,
-                total_s=time.perf_counter() - req.submitted,
-                logprobs=logprobs if params.logprobs else None,
-                tier_hits=dict(handle.tier_hits) if handle else {},
-            )
-            if error is not None:
-                req.events.put(error)
-            else:
-                req.events.put(StreamEvent([], "", finished=True, result=result))
-            self._finish(req, None if error else result, error=error is not None)
-
-    def _kv_source(self, kv: Any) -> Callable[[int, int], torch.Tensor]:
-        layers = self.adapter.cache_layers(kv)
-
-        def kv_of(start: int, end: int) -> torch.Tensor:
-            return torch.stack(
-                [torch.stack((k[0, :, start:end], v[0, :, start:end])) for k, v in layers]
-            )
-
-        return kv_of
+                return
+            c.requests += 1
+            c.prompt_tokens += len(req.prompt)
+            c.cached_tokens += max((r.cached_tokens for r in req.results), default=0)
+            c.generated_tokens += sum(len(r.token_ids) for r in req.results)
+            c.cancelled += any(r.finish_reason == "cancelled" for r in req.results)
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -31,6 +31,7 @@ class GenerationResult:
     total_s: float = 0.0
     logprobs: list[float] | None = None
     tier_hits: dict[str, int] = field(default_factory=dict)
+    index: int = 0  # which of the request's `n` samples
 
     @property
     def completion_tokens(self) -> int:
@@ -39,10 +40,11 @@ class GenerationResult:
 
 @dataclass(slots=True)
 class StreamEvent:
-    """One step of a stream: new token ids and the text they complete.
+    """One step of a stream: new token ids of sample `index` and the text they complete.
 
-    The last event has `finished=True` and carries the `result`; its
-    `token_ids`/`text` may be empty.
+    A sample's last event has `finished=True` and carries its `result`; its
+    `token_ids`/`text` may be empty. A request with `n` samples ends after `n`
+    finished events.
     """
 
     token_ids: list[int]
@@ -50,6 +52,7 @@ class StreamEvent:
     finished: bool = False
     result: GenerationResult | None = None
     logprobs: list[float] | None = None
+    index: int = 0
 
 
 @dataclass
@@ -63,14 +66,20 @@ class Request:
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # The worker's bookkeeping: samples still running, results so far, an error sent.
+    num_open: int = 0
+    results: list[GenerationResult] = field(default_factory=list)
+    failed: bool = False
 
 
 class RequestStream(Iterator[StreamEvent]):
-    """The events of one request. `cancel()` may be called from any thread (a
-    server noticing a disconnect); `close()`, or dropping the stream, cancels too."""
+    """The events of one request, its samples interleaved. `cancel()` may be called
+    from any thread (a server noticing a disconnect); `close()`, or dropping the
+    stream, cancels too."""
 
     def __init__(self, req: Request) -> None:
         self._req = req
+        self._left = req.params.n
         self._done = False
 
     def __next__(self) -> StreamEvent:
@@ -80,7 +89,9 @@ class RequestStream(Iterator[StreamEvent]):
         if isinstance(event, BaseException):
             self._done = True
             raise event
-        self._done = event.finished
+        if event.finished:
+            self._left -= 1
+            self._done = self._left == 0
         return event
 
     def cancel(self) -> None:

@@ -10,7 +10,9 @@ import torch
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 are off.
+    `n` samples share the prompt's KV and decode side by side; sample i draws from
+    `seed + i` when a seed is given."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -21,8 +23,11 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     logprobs: bool = False
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= 64:
+            raise ValueError(f"n must be an int from 1 to 64, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not 0.0 <= float(self.temperature) <= 100.0:
@@ -40,13 +45,13 @@ class SamplingParams:
 class Sampler:
     """Picks the next token from float32 logits; one generator per request."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, index: int = 0) -> None:
         self.params = params
         self.generator: torch.Generator | None = None
         if params.temperature >= 1e-5:
             self.generator = torch.Generator()
             if params.seed is not None:
-                self.generator.manual_seed(params.seed)
+                self.generator.manual_seed(params.seed + index)
             else:
                 self.generator.seed()
 

@@ -20,6 +20,22 @@ class RequestCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The batch now: sequences running and waiting, the KV budget and what running
+    sequences reserve of it, and totals since start."""
+
+    running: int
+    waiting: int
+    kv_budget_bytes: int
+    kv_reserved_bytes: int
+    preemptions: int
+    steps: int
+    cache_errors: int  # cache-path failures that cost a recompute, never a request
+    batched: bool  # False: the model runs one sequence per forward
+    deterministic: bool
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot: the model, why caching is off when it is, the request totals and the
     prefix cache's own figures (None when caching is off)."""
@@ -29,3 +45,4 @@ class EngineStats:
     caching_off_reason: str | None
     requests: RequestCounters
     cache: CacheStats | None
+    scheduling: SchedulerStats | None = None

@@ -11,7 +11,7 @@ import hashlib
 import inspect
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from pagedkv.errors import ModelNotSupportedError
+from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
 from pagedkv.model.fingerprint import config_identity, weights_digest
+from pagedkv.model.kinds import classify_layers, ragged_unsupported_reason
 from pagedkv.model.kv_layer import GrowableLayer
 
 logger = logging.getLogger(__name__)
@@ -31,13 +33,6 @@ logger = logging.getLogger(__name__)
 KV_LAYOUT_VERSION = 1
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Architectures whose state is not (only) per-token attention KV.
-_RECURRENT_MODEL_TYPES = (
-    "mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba", "bamba", "zamba", "zamba2",
-    "falcon_h1", "falcon_mamba", "granitemoehybrid", "lfm2", "xlstm", "nemotron_h",
-    "qwen3_next", "minimax", "plamo2",
-)  # fmt: skip
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -62,59 +57,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto', {', '.join(map(repr, _DTYPES))}; got {dtype!r}")
     return _DTYPES[dtype]
-
-
-def prefix_caching_unsupported_reason(config: Any) -> str | None:
-    """Why this model's KV cannot be cut into reusable blocks, or None when it can."""
-    return classify_layers(config)[0]
-
-
-def classify_layers(config: Any) -> tuple[str | None, tuple[int, ...]]:
-    """(reason prefix caching is impossible or None, layers to cache as full attention).
-
-    Reusable blocks need every layer to keep one K and V per token of the whole
-    context: a sliding-window layer drops old tokens, a recurrent layer keeps a
-    state instead of per-token KV, and a layer sharing another's KV has none.
-    A sliding window at least as long as the context never drops anything (e.g.
-    Phi-3-128k), so such layers count as full attention. The layer types come
-    from transformers' own dispatch (`get_layer_types_and_kwargs`), so qwen2's
-    `use_sliding_window` / `max_window_layers` and mistral's `sliding_window`
-    read as transformers reads them.
-    """
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    text = config.get_text_config(decoder=True)
-    model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
-    if model_type in _RECURRENT_MODEL_TYPES or "mamba" in model_type:
-        return f"model type {model_type!r} has recurrent (state-space) layers", ()
-    if getattr(config, "is_encoder_decoder", False):
-        return "encoder-decoder models are not supported", ()
-    try:
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
-    except Exception as exc:  # an architecture the cache code cannot describe
-        return f"cannot read the layer types of model type {model_type!r}: {exc}", ()
-    context = getattr(text, "max_position_embeddings", None)
-    widened: list[int] = []
-    other: list[str] = []
-    windows: set[int] = set()
-    for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
-        if kind == "full_attention":
-            continue
-        window = kwargs.get("sliding_window")
-        if kind in ("sliding_attention", "chunked_attention") and isinstance(window, int):
-            if context is not None and window >= context:
-                widened.append(i)
-                continue
-            windows.add(window)
-        other.append(kind)
-    if other:
-        kinds = ", ".join(sorted(set(other)))
-        detail = f" (window {', '.join(map(str, sorted(windows)))} tokens)" if windows else ""
-        return (
-            f"{len(other)} of {len(layer_types)} layers are {kinds}{detail}, which keep no "
-            "KV for older tokens; prefix caching needs full attention in every layer"
-        ), ()
-    return None, tuple(widened)
 
 
 class ModelAdapter:
@@ -177,6 +119,8 @@ class ModelAdapter:
             self.unsupported_reason = "transformers builds a non-standard KV cache for this model"
         self.prefix_caching_supported: bool = self.unsupported_reason is None
         self._identity: str | None = None
+        self.unbatched_reason: str | None = self._use_ragged_attention(params)
+        self.batched: bool = self.unbatched_reason is None
 
     # ---- identity -------------------------------------------------------
 
@@ -282,6 +226,54 @@ class ModelAdapter:
         """Number of tokens a cache holds."""
         return int(cache.get_seq_length())
 
+    # ---- batched compute ------------------------------------------------
+
+    def _use_ragged_attention(self, params: Any) -> str | None:
+        """Switch the model to ragged attention when its layers allow it and a probe
+        forward agrees with the model's own attention; else why not (the model then
+        runs one sequence per forward)."""
+        reason = ragged_unsupported_reason(self.config)
+        if reason is None and "logits_to_keep" not in params:
+            reason = "its forward takes no logits_to_keep"
+        if reason is not None:
+            return reason
+        ids = [(7 * i + 3) % self.vocab_size for i in range(12)]
+        want, _ = self.forward(ids)
+        own = self.config._attn_implementation
+        try:
+            self.model.set_attn_implementation(ATTENTION_NAME)
+            got = self.forward_batch([SeqChunk(self.new_kv_buffer(len(ids)), 0, ids, True)])[0]
+        except Exception as exc:  # an attention module that passes what ragged lacks
+            self.model.set_attn_implementation(own)
+            return f"ragged attention failed on it ({type(exc).__name__}: {exc})"
+        if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
+            self.model.set_attn_implementation(own)
+            return "ragged attention disagrees with the model's own attention"
+        return None
+
+    def new_kv_buffer(self, capacity: int) -> torch.Tensor:
+        """An empty KV buffer for one sequence, `[num_layers, 2, kv_heads, capacity, head_dim]`."""
+        shape = (self.num_layers, 2, self.num_kv_heads, capacity, self.head_dim)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def forward_batch(
+        self, chunks: list[SeqChunk], pad_rows: Callable[[int], int] | None = None
+    ) -> torch.Tensor:
+        """One forward over every chunk (see `model.batch`); each chunk's KV lands in its
+        buffer. Returns the float32 logits `[wanted, vocab]` of the chunks that want
+        them, in chunk order. `pad_rows` pads the batch (`DeterministicRows`)."""
+        plan, ids, positions, keep = plan_batch(chunks, pad_rows, self.device)
+        wanted = sum(c.want_logits for c in chunks)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=keep,
+                pagedkv_plan=plan,
+            )
+        return out.logits[0, :wanted].float()
+
     # ---- compute --------------------------------------------------------
 
     def forward(
@@ -314,6 +306,11 @@ class ModelAdapter:
         start-up keeps them out of the first request's TTFT.
         """
         ids = self.encode("warm up") or [0]
+        if self.batched:
+            kv = self.new_kv_buffer(len(ids) + 1)
+            self.forward_batch([SeqChunk(kv, 0, ids, True)])
+            self.forward_batch([SeqChunk(kv, len(ids), ids[:1], True)])
+            return
         _, cache = self.forward(ids, None)
         self.forward(ids[:1], cache)
 

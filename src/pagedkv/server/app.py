@@ -177,6 +177,7 @@ def create_app(
             model=state.model_name,
             include_usage=include_usage,
             logprobs=logprobs,
+            n=params.n,
         )
 
         def open_stream() -> Iterator[StreamEvent]:
@@ -204,6 +205,13 @@ def create_app(
     def health() -> Response:
         if state.closing:
             return shutting_down().response()
+        if not engine.healthy:
+            return APIError(
+                503,
+                "the engine's worker has stopped; the server is exiting for a restart",
+                type="server_error",
+                code="engine_dead",
+            ).response()
         return JSONResponse(
             {
                 "status": "ok",

@@ -54,9 +54,9 @@ class EventPump:
             events = self._events = open_stream()
             if self._cancelled.is_set():
                 return
-            for event in events:
+            for event in events:  # ends after the last sample's finished event
                 self._put(event)
-                if event.finished or self._cancelled.is_set():
+                if self._cancelled.is_set():
                     break
         except BaseException as exc:  # handed to the request handler
             self._put(exc)
@@ -105,6 +105,7 @@ class Options:
     model: str
     include_usage: bool
     logprobs: bool
+    n: int = 1
 
 
 class Generation:
@@ -112,7 +113,9 @@ class Generation:
 
     Order: `start()` waits for the first event, so that a full queue or a
     refused request still becomes a proper 429/400 before any header is sent;
-    then exactly one of `response_body()` or `sse()` is consumed. `close()`
+    then exactly one of `response_body()` or `sse()` is consumed. With `n`
+    samples, events of every choice arrive interleaved, each with its index;
+    the request is done when all `n` have finished. `close()`
     (called by both and by the disconnect watcher; only the first call counts)
     cancels the engine request if it is still running, records metrics and
     calls `on_close`.
@@ -141,9 +144,14 @@ class Generation:
         self._watcher: asyncio.Task[None] | None = None
         self._last_token_at: float | None = None
         self._closed = False
-        self.result: GenerationResult | None = None
-        self.token_texts: list[str] = []
-        self.token_logprobs: list[float] = []
+        self.results: dict[int, GenerationResult] = {}
+        n = options.n
+        self.token_texts: list[list[str]] = [[] for _ in range(n)]
+        self.token_logprobs: list[list[float]] = [[] for _ in range(n)]
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) == self.options.n
 
     async def start(self, receive: Receive | None) -> None:
         self.metrics.in_flight.inc()
@@ -163,7 +171,7 @@ class Generation:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                if self.result is None:
+                if not self.done:
                     log.info("%s: the client went away; cancelling the request", self.id)
                 # Also when the response never starts streaming, and so never closes it.
                 self.close("disconnected")
@@ -185,7 +193,7 @@ class Generation:
         if event is None:
             return None
         now = time.perf_counter()
-        if event.token_ids:
+        if event.token_ids and event.index == 0:
             if self._last_token_at is None:
                 self.metrics.ttft.observe(now - self.arrived)
             else:
@@ -196,10 +204,12 @@ class Generation:
             # holds text back while a stop string may still match, so near a stop string
             # a token can show "" and a later one the text of both.
             lps = event.logprobs or [0.0] * len(event.token_ids)
-            self.token_texts.extend([event.text] + [""] * (len(event.token_ids) - 1))
-            self.token_logprobs.extend(lps)
+            texts = self.token_texts[event.index]
+            texts.extend([event.text] + [""] * (len(event.token_ids) - 1))
+            self.token_logprobs[event.index].extend(lps)
         if event.finished:
-            self.result = event.result
+            assert event.result is not None
+            self.results[event.index] = event.result
         return event
 
     def _events(self) -> AsyncIterator[StreamEvent]:
@@ -207,7 +217,7 @@ class Generation:
             event = self._first
             while event is not None:
                 yield event
-                if event.finished:
+                if self.done:
                     return
                 event = await self._next()
 
@@ -222,16 +232,16 @@ class Generation:
         self.metrics.in_flight.dec()
         if self._watcher is not None and self._watcher is not asyncio.current_task():
             self._watcher.cancel()
-        if self.result is None:
+        if not self.done:
             self.cancel()
             self.metrics.finished.labels(outcome).inc()
         else:
-            r = self.result
+            results = list(self.results.values())
             self.metrics.observe_result(
-                prompt_tokens=r.prompt_tokens,
-                cached_tokens=r.cached_tokens,
-                completion_tokens=len(r.token_ids),
-                finish_reason=r.finish_reason,
+                prompt_tokens=results[0].prompt_tokens,
+                cached_tokens=results[0].cached_tokens,
+                completion_tokens=sum(len(r.token_ids) for r in results),
+                finish_reasons=[r.finish_reason for r in results],
             )
 
     # -- non-streaming ------------------------------------------------------
@@ -248,43 +258,44 @@ class Generation:
             raise
         finally:
             self.close()
-        if self.result is None:
+        if not self.done:
             raise APIError(
                 503,
                 "the request was cancelled before it finished (the server is shutting down)",
                 code="request_cancelled",
                 headers={"Retry-After": "1"},
             )
-        r = self.result
+        results = [self.results[i] for i in range(self.options.n)]
         o = self.options
         body: dict[str, Any] = {
             "id": self.id,
             "created": self.created,
             "model": o.model,
-            "usage": usage(r),
+            "usage": usage(results),
             "system_fingerprint": None,
         }
-        finish = _finish_reason(r)
-        if o.kind == "chat":
-            body["object"] = "chat.completion"
-            body["choices"] = [
-                {
-                    "index": 0,
-                    "finish_reason": finish,
-                    "message": {"role": "assistant", "content": r.text},
-                    "logprobs": self._chat_logprobs(0),
-                }
-            ]
-        else:
-            body["object"] = "text_completion"
-            body["choices"] = [
-                {
-                    "index": 0,
-                    "text": r.text,
-                    "finish_reason": finish,
-                    "logprobs": self._completion_logprobs(0, 0),
-                }
-            ]
+        choices: list[dict[str, Any]] = []
+        for i, r in enumerate(results):
+            if o.kind == "chat":
+                choices.append(
+                    {
+                        "index": i,
+                        "finish_reason": _finish_reason(r),
+                        "message": {"role": "assistant", "content": r.text},
+                        "logprobs": self._chat_logprobs(i, 0),
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": i,
+                        "text": r.text,
+                        "finish_reason": _finish_reason(r),
+                        "logprobs": self._completion_logprobs(i, 0, 0),
+                    }
+                )
+        body["object"] = "chat.completion" if o.kind == "chat" else "text_completion"
+        body["choices"] = choices
         return body
 
     # -- streaming ----------------------------------------------------------
@@ -293,30 +304,33 @@ class Generation:
         o = self.options
         try:
             if o.kind == "chat":
-                yield self._chunk({"role": "assistant", "content": ""}, None, None)
-            sent_tokens = 0
-            text_offset = 0
+                for i in range(o.n):
+                    yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
+            sent_tokens = [0] * o.n
+            text_offset = [0] * o.n
             async for event in self._events():
-                if not event.text and not (o.logprobs and event.token_ids):
-                    continue
-                if o.kind == "chat":
-                    lp = self._chat_logprobs(sent_tokens)
-                    yield self._chunk({"content": event.text}, None, lp)
-                else:
-                    lp = self._completion_logprobs(sent_tokens, text_offset)
-                    yield self._chunk(event.text, None, lp)
-                sent_tokens = len(self.token_texts)
-                text_offset += len(event.text)
-            if self.result is None:
+                i = event.index
+                if event.text or (o.logprobs and event.token_ids):
+                    if o.kind == "chat":
+                        lp = self._chat_logprobs(i, sent_tokens[i])
+                        yield self._chunk(i, {"content": event.text}, None, lp)
+                    else:
+                        lp = self._completion_logprobs(i, sent_tokens[i], text_offset[i])
+                        yield self._chunk(i, event.text, None, lp)
+                    sent_tokens[i] = len(self.token_texts[i])
+                    text_offset[i] += len(event.text)
+                if event.finished and event.result is not None:
+                    finish = _finish_reason(event.result)
+                    yield self._chunk(i, {} if o.kind == "chat" else "", finish, None)
+            if not self.done:
                 raise APIError(
                     503,
                     "the request was cancelled before it finished (the server is shutting down)",
                     code="request_cancelled",
                 )
-            finish = _finish_reason(self.result)
-            yield self._chunk({} if o.kind == "chat" else "", finish, None)
             if o.include_usage:
-                yield _sse({**self._chunk_head(), "choices": [], "usage": usage(self.result)})
+                results = list(self.results.values())
+                yield _sse({**self._chunk_head(), "choices": [], "usage": usage(results)})
         except APIError as exc:
             self.close("rejected" if exc.status < 500 else "cancelled")
             yield _sse(exc.body())
@@ -341,45 +355,49 @@ class Generation:
             head["usage"] = None
         return head
 
-    def _chunk(self, delta: dict[str, str] | str, finish: str | None, lp: Any) -> bytes:
+    def _chunk(self, index: int, delta: dict[str, str] | str, finish: str | None, lp: Any) -> bytes:
         if isinstance(delta, dict):
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": index, "text": delta, "logprobs": lp, "finish_reason": finish}
         return _sse({**self._chunk_head(), "choices": [choice]})
 
-    def _chat_logprobs(self, start: int) -> dict[str, Any] | None:
+    def _chat_logprobs(self, index: int, start: int) -> dict[str, Any] | None:
         if not self.options.logprobs:
             return None
+        texts, lps = self.token_texts[index][start:], self.token_logprobs[index][start:]
         return {
             "content": [
                 {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(self.token_texts[start:], self.token_logprobs[start:], strict=True)
+                for t, lp in zip(texts, lps, strict=True)
             ]
         }
 
-    def _completion_logprobs(self, start: int, offset: int) -> dict[str, Any] | None:
+    def _completion_logprobs(self, index: int, start: int, offset: int) -> dict[str, Any] | None:
         if not self.options.logprobs:
             return None
-        texts = self.token_texts[start:]
+        texts = self.token_texts[index][start:]
         offsets = []
         for t in texts:
             offsets.append(offset)
             offset += len(t)
         return {
             "tokens": texts,
-            "token_logprobs": self.token_logprobs[start:],
+            "token_logprobs": self.token_logprobs[index][start:],
             "top_logprobs": None,
             "text_offset": offsets,
         }
 
 
-def usage(result: GenerationResult) -> dict[str, Any]:
+def usage(results: list[GenerationResult]) -> dict[str, Any]:
+    """One prompt, the completion tokens of every choice."""
+    prompt = results[0].prompt_tokens
+    completion = sum(len(r.token_ids) for r in results)
     return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": len(result.token_ids),
-        "total_tokens": result.prompt_tokens + len(result.token_ids),
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens},
     }
 
 

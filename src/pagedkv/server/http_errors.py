@@ -6,7 +6,12 @@ from collections.abc import Mapping
 
 from fastapi.responses import JSONResponse
 
-from pagedkv.errors import EngineOverloadedError, OutOfBlocksError, PagedKVError
+from pagedkv.errors import (
+    EngineOverloadedError,
+    OutOfBlocksError,
+    PagedKVError,
+    RequestTooLargeError,
+)
 
 RETRY_AFTER_OVERLOADED_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
@@ -81,6 +86,8 @@ def from_engine_error(exc: BaseException, *, closing: bool) -> APIError | None:
             code="queue_full",
             headers={"Retry-After": str(RETRY_AFTER_OVERLOADED_S)},
         )
+    if isinstance(exc, RequestTooLargeError):
+        return bad_request(str(exc), "max_tokens", code="request_too_large")
     if isinstance(exc, OutOfBlocksError):
         return APIError(
             503,

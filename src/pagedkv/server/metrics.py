@@ -93,12 +93,18 @@ class ServerMetrics:
         r.register(_CacheCollector(cache_stats, active_requests))
 
     def observe_result(
-        self, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int, finish_reason: str
+        self,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        finish_reasons: list[str],
     ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
         self.generated_tokens.inc(completion_tokens)
-        self.finished.labels(finish_reason).inc()
+        for reason in finish_reasons:
+            self.finished.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -21,12 +21,6 @@ MIN_TEMPERATURE = 1e-5  # below this is greedy too: logits / 1e-300 overflow to 
 
 def check_supported(body: _SamplingRequest) -> None:
     """Refuse fields the schema accepts but this server cannot honour."""
-    if body.n != 1:
-        raise bad_request(
-            f"n={body.n} is not supported: this server returns one choice per "
-            "request; send n=1 and repeat the request",
-            "n",
-        )
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise bad_request(f"{name} is not supported; send 0 or leave it out", name)
@@ -178,6 +172,7 @@ def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: bool) -> 
             stop=stop,
             logprobs=logprobs,
             ignore_eos=body.ignore_eos,
+            n=body.n,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc

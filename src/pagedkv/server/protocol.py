@@ -2,7 +2,7 @@
 
 Requests are validated strictly (no "5" for 5, no 1.5 for an int) and unknown
 fields are ignored, as most OpenAI-compatible servers do, so clients that send
-newer fields keep working. Fields this server cannot honour (n > 1, penalties,
+newer fields keep working. Fields this server cannot honour (penalties,
 tools, image parts, top alternatives for logprobs) are parsed and refused by
 the app with a 400 that names the field and says why, rather than silently
 dropped; the OpenAPI schema documents only the values that are served.
@@ -55,7 +55,7 @@ class _SamplingRequest(_Request):
     top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 turns it off")
     seed: int | None = Field(None, ge=INT64_MIN, le=UINT64_MAX)
     stop: StopText | list[StopText] | None = Field(None, max_length=16)
-    n: int = Field(1, ge=1, description="only 1 is supported", json_schema_extra=_ONLY(1))
+    n: int = Field(1, ge=1, le=64, description="choices: samples that share the prompt's KV")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, json_schema_extra=_ONLY(0))

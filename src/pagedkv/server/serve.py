@@ -43,7 +43,9 @@ def run_server(
     drain_timeout: float = 5.0,
     close_timeout: float = 10.0,
 ) -> int:
-    """Serve `engine` until SIGTERM/SIGINT, then close it; returns the exit status (0).
+    """Serve `engine` until SIGTERM/SIGINT, then close it; returns the exit status: 0, or
+    1 when the engine's worker died (its requests have failed; a supervisor should
+    restart the server).
 
     `port=0` picks a free port; the URL is logged either way. The engine is
     closed on return, also when the server fails to start.
@@ -53,6 +55,7 @@ def run_server(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
     log.setLevel(log_level.upper())
+    died = False
     try:
         api_keys = list(api_keys)
         admin_keys = None if admin_keys is None else list(admin_keys)
@@ -73,15 +76,16 @@ def run_server(
             lifespan="off",
             timeout_graceful_shutdown=int(drain_timeout) + 2,
         )
-        server = _Server(config, state, drain_timeout)
+        server = _Server(config, state, drain_timeout, engine)
         _log_startup(engine, state, url, api_keys, admin_keys)
         server.run(sockets=[sock])
+        died = server.engine_died
     finally:
         started = time.monotonic()
         log.info("closing the engine (flushing cache writes, up to %.0f s)", close_timeout)
         engine.close(timeout=close_timeout)
         log.info("engine closed in %.1f s", time.monotonic() - started)
-    return 0
+    return 1 if died else 0
 
 
 def load_api_keys(path: str | Path) -> list[str]:
@@ -108,10 +112,22 @@ class _Server(uvicorn.Server):
     "terminated by SIGTERM"; `handle_exit` therefore does not record it.
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, drain_timeout: float, engine: EngineAPI
+    ) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
+        self.engine = engine
+        self.engine_died = False
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self.engine_died and not self.engine.healthy:
+            log.critical("the engine's worker died; exiting with status 1 so a supervisor restarts")
+            self.engine_died = True
+            self.state.closing = True
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.state.closing = True

@@ -1,0 +1,256 @@
+"""Many users at once through `pagedkv serve`: aggregate tokens/s, TTFT and ITL.
+
+    .venv/bin/python benchmarks/bench_throughput.py [--streams 1,4,8,16] [--tokens 64]
+        [--rounds 3] [--deterministic] [--baseline-src DIR]
+
+Starts `pagedkv serve` (bundled model, RAM tier only) on 127.0.0.1 and, for each
+stream count N, has N clients stream a completion of `--tokens` tokens each, at
+the same moment, from prompts of ~120 tokens no other request shares (so the
+figures are compute, not cache hits). Per N, median of `--rounds` rounds:
+
+- aggregate tokens/s: all generated tokens / wall time of the round;
+- TTFT p50/p90 over every request of every round;
+- ITL p50: the median gap between consecutive streamed tokens.
+
+Then the cost of a newcomer: the TTFT of a new uncached 300-token request sent
+while 7 streams decode, against the same request on the idle server.
+
+`--deterministic` serves with `--deterministic`. `--baseline-src DIR` also runs a
+server from another checkout's `src/` (e.g. a worktree of an older commit) in
+the same run, servers taking turns round by round, and prints both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+WORDS = (
+    "harbor",
+    "lantern",
+    "river",
+    "copper",
+    "meadow",
+    "quiet",
+    "signal",
+    "winter",
+    "paper",
+    "garden",
+    "engine",
+    "silver",
+    "orchard",
+    "thunder",
+    "window",
+    "candle",
+    "marble",
+    "compass",
+    "feather",
+    "valley",
+)
+
+
+def prompt_text(seed: int, words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    seeds: list[int] = field(default_factory=list)
+
+
+def start_server(name: str, src: str | None, extra: list[str]) -> Server:
+    port = free_port()
+    env = os.environ.copy()
+    if src:
+        env["PYTHONPATH"] = src
+    cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port)]
+    cmd += ["--no-ssd-cache", "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"server {name} did not start")
+        time.sleep(0.5)
+    return Server(name, proc, url)
+
+
+@dataclass
+class Stream:
+    ttft: float = 0.0
+    stamps: list[float] = field(default_factory=list)
+
+
+def stream_one(url: str, text: str, tokens: int, out: Stream, start: threading.Barrier) -> None:
+    body = {
+        "prompt": text,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    start.wait()
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                now = time.perf_counter()
+                if not out.stamps:
+                    out.ttft = now - t0
+                out.stamps.append(now)
+
+
+def round_of(server: Server, n: int, tokens: int, words: int = 90) -> tuple[float, list[Stream]]:
+    """N streams at once; (wall time, the streams)."""
+    streams = [Stream() for _ in range(n)]
+    barrier = threading.Barrier(n + 1)
+    texts = [prompt_text(_next_seed(server), words) for _ in range(n)]
+    threads = [
+        threading.Thread(target=stream_one, args=(server.url, t, tokens, s, barrier))
+        for t, s in zip(texts, streams, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0, streams
+
+
+def _next_seed(server: Server) -> int:
+    """A prompt this server has not seen; every server gets the same sequence."""
+    server.seeds.append(len(server.seeds) + 1)
+    return server.seeds[-1]
+
+
+def newcomer_ttft(server: Server, busy: int, words: int = 220) -> float:
+    """TTFT of a new uncached request of ~300 tokens while `busy` streams decode."""
+    background: list[Stream] = [Stream() for _ in range(busy)]
+    barrier = threading.Barrier(busy + 1)
+    threads = [
+        threading.Thread(
+            target=stream_one,
+            args=(server.url, prompt_text(_next_seed(server), 40), 400, s, barrier),
+        )
+        for s in background
+    ]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    if busy:
+        while any(len(s.stamps) < 5 for s in background):  # every stream is decoding
+            time.sleep(0.01)
+    probe = Stream()
+    stream_one(server.url, prompt_text(_next_seed(server), words), 2, probe, threading.Barrier(1))
+    for t in threads:
+        t.join()
+    return probe.ttft
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", default="1,4,8,16")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--baseline-src", default=None, help="another checkout's src/ to compare")
+    ap.add_argument("--newcomer-runs", type=int, default=3)
+    args = ap.parse_args()
+    counts = [int(c) for c in args.streams.split(",")]
+    extra = ["--deterministic"] if args.deterministic else []
+    servers = [start_server("pagedkv", None, extra)]
+    if args.baseline_src:
+        src = str(Path(args.baseline_src).resolve())
+        servers.append(start_server("baseline", src, []))
+    try:
+        for server in servers:  # warm up: first forwards of each shape
+            round_of(server, 2, 4)
+        table: dict[str, dict[int, dict[str, float]]] = {s.name: {} for s in servers}
+        for n in counts:
+            walls: dict[str, list[float]] = {s.name: [] for s in servers}
+            streams: dict[str, list[Stream]] = {s.name: [] for s in servers}
+            for _ in range(args.rounds):
+                for server in servers:
+                    wall, got = round_of(server, n, args.tokens)
+                    walls[server.name].append(wall)
+                    streams[server.name] += got
+            for server in servers:
+                got = streams[server.name]
+                gaps = [b - a for s in got for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
+                table[server.name][n] = {
+                    "tok_s": n * args.tokens / statistics.median(walls[server.name]),
+                    "ttft_p50": pct([s.ttft for s in got], 0.5),
+                    "ttft_p90": pct([s.ttft for s in got], 0.9),
+                    "itl_p50": statistics.median(gaps) if gaps else float("nan"),
+                }
+        newcomer: dict[str, tuple[float, float]] = {}
+        for server in servers:
+            idle = [newcomer_ttft(server, 0) for _ in range(args.newcomer_runs)]
+            loaded = [newcomer_ttft(server, 7) for _ in range(args.newcomer_runs)]
+            newcomer[server.name] = (statistics.median(idle), statistics.median(loaded))
+    finally:
+        for server in servers:
+            server.proc.send_signal(signal.SIGTERM)
+            server.proc.wait(60)
+    mode = " (--deterministic)" if args.deterministic else ""
+    print(f"bundled model, {args.tokens} tokens per stream, median of {args.rounds} rounds{mode}")
+    for server in servers:
+        rows = table[server.name]
+        one = rows[counts[0]]
+        print(f"\n{server.name}")
+        print(f"{'streams':>7} {'tok/s':>7} {'x 1st':>6} {'TTFT p50':>9} {'TTFT p90':>9} "
+              f"{'ITL p50':>8} {'x 1st':>6}")  # fmt: skip
+        for n in counts:
+            r = rows[n]
+            print(
+                f"{n:>7} {r['tok_s']:>7.1f} {r['tok_s'] / one['tok_s']:>6.2f} "
+                f"{r['ttft_p50'] * 1000:>7.0f}ms {r['ttft_p90'] * 1000:>7.0f}ms "
+                f"{r['itl_p50'] * 1000:>6.0f}ms {r['itl_p50'] / one['itl_p50']:>6.2f}"
+            )
+        idle, loaded = newcomer[server.name]
+        print(
+            f"new 300-token request: TTFT {idle * 1000:.0f} ms idle, {loaded * 1000:.0f} ms "
+            f"while 7 streams decode ({loaded / idle:.2f}x)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

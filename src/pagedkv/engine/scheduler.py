@@ -1,0 +1,162 @@
+"""Who runs in the next step, and how many tokens each: the scheduling policy.
+
+Pure bookkeeping over `Sequence`s; the engine does the work it decides on
+(restores, forwards, preemptions), so the policy is testable without a model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pagedkv.engine.sequence import Sequence
+
+# KV reserved beyond the prompt at admission, and added each time a sequence outgrows
+# its buffer (or half its capacity, when that is more): the first answer tokens never
+# wait for memory, and a long answer reallocates rarely.
+GROW_TOKENS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """`max_num_seqs`: sequences running at once. `max_num_batched_tokens`: tokens one
+    step computes (each decoding sequence's next token plus prefill chunks).
+    `deterministic`: a request's output does not depend on what else runs (fixed
+    prefill chunks, batches padded to row counts that compute every row alike)."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an int >= 1, got {self.max_num_seqs!r}")
+        if (
+            not isinstance(self.max_num_batched_tokens, int)
+            or self.max_num_batched_tokens < 2 * self.max_num_seqs
+        ):
+            raise ValueError(
+                "max_num_batched_tokens must be at least twice max_num_seqs "
+                f"({2 * self.max_num_seqs}), got {self.max_num_batched_tokens!r}"
+            )
+
+    @property
+    def prefill_chunk(self) -> int:
+        """The fixed prefill chunk of deterministic mode: what a full step of decoders
+        leaves of the token budget."""
+        return self.max_num_batched_tokens - self.max_num_seqs
+
+
+class Scheduler:
+    """Waiting and running sequences, and the KV budget of the running ones.
+
+    Order: decoding sequences always run (one token each), so a prefill never
+    stalls them for more than one step; prefill chunks fill what the step's
+    token budget leaves, oldest sequence first. Waiting sequences are admitted
+    in arrival order (preempted ones go back to the front) while there is room
+    for their KV and fewer than `max_num_seqs` run. When a running sequence
+    outgrows its buffer and the budget cannot cover it, the newest sequence is
+    preempted (it may be the growing one itself).
+    """
+
+    def __init__(self, config: SchedulerConfig, budget_tokens: int) -> None:
+        self.config = config
+        self.budget_tokens = budget_tokens
+        self.reserved_tokens = 0
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._order = 0
+
+    # -- the budget -------------------------------------------------------------
+
+    def initial_capacity(self, seq: Sequence) -> int:
+        """KV to reserve when `seq` is admitted: what it holds plus room to grow."""
+        return min(len(seq.tokens) + GROW_TOKENS, seq.final_capacity)
+
+    def admission_tokens(self, seq: Sequence) -> int:
+        """KV to reserve at admission: room for `seq` and for the samples it will fork."""
+        return self.initial_capacity(seq) * (1 + seq.samples_to_fork)
+
+    def fits(self, tokens: int) -> bool:
+        return self.reserved_tokens + tokens <= self.budget_tokens
+
+    def reserve(self, tokens: int) -> None:
+        assert self.fits(tokens), "reserved past the KV budget"
+        self.reserved_tokens += tokens
+
+    def release(self, tokens: int) -> None:
+        self.reserved_tokens -= tokens
+        assert self.reserved_tokens >= 0, "released more KV than was reserved"
+
+    def growth(self, seq: Sequence) -> int:
+        """The capacity `seq` needs before its next step (its current one if enough)."""
+        need = seq.num_computed + min(seq.num_pending, self.config.max_num_batched_tokens)
+        if need <= seq.capacity:
+            return seq.capacity
+        grown = seq.capacity + max(GROW_TOKENS, seq.capacity // 2, need - seq.capacity)
+        return min(grown, seq.final_capacity)
+
+    # -- queues -------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def admit(self, seq: Sequence) -> None:
+        """Move `seq` from waiting to running (the engine has reserved its KV)."""
+        self.waiting.remove(seq)
+        if not seq.order:
+            self._order += 1
+            seq.order = self._order
+        self.running.append(seq)
+        self.running.sort(key=lambda s: s.order)
+
+    def adopt(self, seq: Sequence, order: int) -> None:
+        """Run `seq`, forked from a running sequence admitted at `order`."""
+        seq.order = order
+        self.running.append(seq)
+        self.running.sort(key=lambda s: s.order)
+
+    def next_to_admit(self) -> Sequence | None:
+        """The head of the waiting queue when it may start now."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        head = self.waiting[0]
+        if not self.fits(self.admission_tokens(head)):
+            return None
+        return head
+
+    def victim(self) -> Sequence | None:
+        """The sequence to preempt when memory runs short: the newest running one."""
+        return max(self.running, key=lambda s: s.order, default=None)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    # -- the step -----------------------------------------------------------------
+
+    def plan(self) -> list[tuple[Sequence, int]]:
+        """Each running sequence that computes this step, with its number of tokens."""
+        budget = self.config.max_num_batched_tokens
+        work: list[tuple[Sequence, int]] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            if seq.num_pending == 1:
+                work.append((seq, 1))
+                budget -= 1
+            elif seq.num_pending > 1:
+                prefilling.append(seq)
+        for seq in prefilling:
+            if self.config.deterministic:
+                take = min(seq.num_pending, self.config.prefill_chunk)
+                if take > budget:
+                    continue  # never cut a chunk where another batch would not
+            else:
+                take = min(seq.num_pending, budget)
+            if take <= 0:
+                break
+            work.append((seq, take))
+            budget -= take
+        return work

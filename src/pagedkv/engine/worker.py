@@ -1,0 +1,371 @@
+"""The engine's worker: admits requests, runs one batched forward per step, samples.
+
+Runs on one thread that owns the model, the prefix cache and every sequence's
+KV. A step, in order: end cancelled sequences; admit waiting ones while their
+KV fits the budget (restoring their cached prefix); make room for sequences
+that outgrow their buffers (preempting the newest when the budget is short);
+plan the step (`Scheduler.plan`); one forward over all of it; sample, emit and
+finish.
+
+Fault isolation: a failure in one sequence's cache path (lookup, restore,
+caching) degrades it to recomputing, or ends that sequence alone with its
+error; a failed forward ends the sequences of that step. Every path releases
+the blocks and KV it held. The worker itself never stops on an error; if a bug
+ever kills it, the engine fails every request it holds and reports itself
+unhealthy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagedkv.cache.prefix import PrefixCache
+from pagedkv.engine.detokenize import Detokenizer
+from pagedkv.engine.request import Request, StreamEvent
+from pagedkv.engine.sampling import Sampler
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.sequence import Sequence
+from pagedkv.model import ModelAdapter
+from pagedkv.model.batch import DeterministicRows, SeqChunk
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Sequences from admission to their last event; see the module docstring."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        prefix: PrefixCache | None,
+        scheduler: Scheduler,
+        on_request_done: Callable[[Request], None],
+    ) -> None:
+        self.adapter = adapter
+        self.prefix = prefix
+        self.scheduler = scheduler
+        self.on_request_done = on_request_done
+        self.rows: DeterministicRows | None = None
+        self.preemptions = 0
+        self.cache_errors = 0
+        self.steps = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def add(self, req: Request) -> None:
+        params = req.params
+        max_tokens = min(params.max_tokens, self.adapter.max_context - len(req.prompt))
+        seq = self._sequence(req, 0, list(req.prompt), max_tokens)
+        seq.samples_to_fork = params.n - 1
+        req.num_open = params.n
+        self.scheduler.add(seq)
+
+    def _sequence(self, req: Request, index: int, tokens: list[int], max_tokens: int) -> Sequence:
+        ignore = set(self.adapter.eos_token_ids)
+        return Sequence(
+            request=req,
+            index=index,
+            tokens=tokens,
+            num_prompt_tokens=len(req.prompt),
+            max_tokens=max_tokens,
+            sampler=Sampler(req.params, index),
+            decoder=Detokenizer(self.adapter, req.params, ignore=ignore),
+        )
+
+    # -- one step -----------------------------------------------------------------
+
+    def step(self) -> None:
+        self._reap_cancelled()
+        self._admit()
+        self._make_room()
+        work = self.scheduler.plan()
+        if not work:
+            return
+        self.steps += 1
+        try:
+            outputs = self._forward(work)
+        except Exception as exc:
+            log.exception("a forward over %d sequences failed; ending them", len(work))
+            for seq, _ in work:
+                self._fail(seq, exc)
+            return
+        for seq, logits in outputs:
+            try:
+                self._sample(seq, logits)
+            except Exception as exc:
+                log.exception("request failed after its forward")
+                self._fail(seq, exc)
+
+    def _reap_cancelled(self) -> None:
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.request.cancelled.is_set():
+                seq.finish_reason = seq.finish_reason or "cancelled"
+                self._finish(seq)
+
+    def _admit(self) -> None:
+        sched = self.scheduler
+        while (seq := sched.next_to_admit()) is not None:
+            capacity = sched.initial_capacity(seq)
+            seq.sibling_capacity = capacity * seq.samples_to_fork
+            seq.capacity = capacity
+            sched.reserve(capacity + seq.sibling_capacity)
+            sched.admit(seq)
+            self._start(seq)
+        if not sched.running and sched.waiting:
+            # Nothing runs, so nothing will free memory: the head can never start.
+            head = sched.waiting[0]
+            need = sched.admission_tokens(head)
+            self._fail(head, MemoryError(
+                f"the request needs {need} tokens of KV to start and the budget holds "
+                f"{sched.budget_tokens}"
+            ))  # fmt: skip
+
+    def _start(self, seq: Sequence) -> None:
+        """Give an admitted sequence its KV buffers and restore its cached prefix."""
+        adapter, prefix = self.adapter, self.prefix
+        try:
+            out: torch.Tensor | None = None
+            if adapter.batched:
+                seq.kv = out = adapter.new_kv_buffer(seq.capacity)
+            elif prefix is not None:
+                seq.cache, out = adapter.cache_with_buffers(seq.capacity)
+            else:
+                seq.cache = adapter.new_cache(seq.capacity)
+        except Exception as exc:  # an allocation the machine cannot give
+            log.exception("allocating KV for a request failed")
+            self._fail(seq, exc)
+            return
+        restored = 0
+        if prefix is not None and out is not None:
+            try:
+                seq.handle = prefix.begin(seq.tokens, seq.request.extra)
+                restored = seq.handle.restore_into(out, len(seq.tokens) - 1)
+            except Exception:
+                log.warning("prefix lookup failed; recomputing the prompt", exc_info=True)
+                self.cache_errors += 1
+                if seq.handle is not None:
+                    seq.handle.release()
+                seq.handle, restored = None, 0
+            if seq.cache is not None:
+                adapter.set_cache_length(seq.cache, restored)
+        seq.num_computed = restored
+        if not seq.admitted:
+            seq.cached_tokens = restored
+            seq.tier_hits = dict(seq.handle.tier_hits) if seq.handle is not None else {}
+            seq.admitted = True
+
+    def _make_room(self) -> None:
+        """Grow the buffers of sequences about to outgrow them, preempting the newest
+        sequences while the budget cannot cover the growth."""
+        sched = self.scheduler
+        for seq in list(sched.running):
+            if seq not in sched.running:
+                continue  # preempted for an older one
+            need = sched.growth(seq)
+            if need <= seq.capacity:
+                continue
+            while not sched.fits(need - seq.capacity):
+                victim = sched.victim()
+                assert victim is not None
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in sched.running:
+                sched.reserve(need - seq.capacity)
+                self._grow(seq, need)
+
+    def _grow(self, seq: Sequence, capacity: int) -> None:
+        if seq.kv is not None:
+            kv = self.adapter.new_kv_buffer(capacity)
+            kv[:, :, :, : seq.num_computed].copy_(seq.kv[:, :, :, : seq.num_computed])
+            seq.kv = kv
+        seq.capacity = capacity  # a transformers cache grows by itself
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Stop `seq` and free its KV: what it computed goes to the prefix cache, so it
+        resumes later as a cache hit (a restore, not a recompute)."""
+        log.info(
+            "KV budget full: preempting a sequence of %d tokens (%d computed)",
+            len(seq.tokens),
+            seq.num_computed,
+        )
+        self.preemptions += 1
+        self._release(seq, cache=True)
+        self.scheduler.running.remove(seq)
+        self.scheduler.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence, cache: bool) -> None:
+        """Give back everything `seq` holds; with `cache`, first cache its computed KV."""
+        handle, seq.handle = seq.handle, None
+        if handle is not None:
+            try:
+                if cache and seq.num_computed:
+                    handle.cache_finished(seq.tokens[: seq.num_computed], self._kv_source(seq))
+            except Exception:
+                log.warning("caching a finished sequence failed", exc_info=True)
+                self.cache_errors += 1
+            finally:
+                handle.release()
+        if seq.capacity or seq.sibling_capacity:
+            self.scheduler.release(seq.capacity + seq.sibling_capacity)
+        seq.capacity = seq.sibling_capacity = seq.num_computed = 0
+        seq.kv = seq.cache = None
+
+    def _kv_source(self, seq: Sequence) -> Callable[[int, int], torch.Tensor]:
+        if seq.kv is not None:
+            kv = seq.kv
+            return lambda start, end: kv[:, :, :, start:end]
+        layers = self.adapter.cache_layers(seq.cache)
+
+        def kv_of(start: int, end: int) -> torch.Tensor:
+            return torch.stack(
+                [torch.stack((k[0, :, start:end], v[0, :, start:end])) for k, v in layers]
+            )
+
+        return kv_of
+
+    # -- forward and sampling ---------------------------------------------------------
+
+    def _forward(self, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]]:
+        """Compute `work`; the logits of every sequence that reached the end of its tokens."""
+        wanted = [seq for seq, n in work if seq.num_computed + n == len(seq.tokens)]
+        if self.adapter.batched:
+            chunks = []
+            for seq, n in work:
+                assert seq.kv is not None
+                ids = seq.tokens[seq.num_computed : seq.num_computed + n]
+                last = seq.num_computed + n == len(seq.tokens)
+                chunks.append(SeqChunk(seq.kv, seq.num_computed, ids, last))
+            logits = self.adapter.forward_batch(chunks, self.rows)
+            for seq, n in work:
+                seq.num_computed += n
+            return list(zip(wanted, logits, strict=True))
+        out = []
+        for seq, n in work:  # one sequence per forward: a failure ends only its own
+            try:
+                ids = seq.tokens[seq.num_computed : seq.num_computed + n]
+                logits, seq.cache = self.adapter.forward(ids, seq.cache)
+                seq.num_computed += n
+            except Exception as exc:
+                log.exception("a forward failed")
+                self._fail(seq, exc)
+                continue
+            if seq.num_computed == len(seq.tokens):
+                out.append((seq, logits))
+        return out
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        first = not seq.generated
+        self._emit_token(seq, logits)
+        if first and not seq.prompt_cached:
+            seq.prompt_cached = True
+            if seq.handle is not None:
+                try:  # after the first token, not before: nothing here is needed for it
+                    seq.handle.cache_prompt(self._kv_source(seq))
+                except Exception:
+                    log.warning("caching a prompt failed", exc_info=True)
+                    self.cache_errors += 1
+            if seq.samples_to_fork:
+                self._fork(seq, logits)
+        if seq.finish_reason is not None:
+            self._finish(seq)
+
+    def _emit_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        token, logprob = seq.sampler.sample(logits)
+        if not seq.generated:
+            seq.ttft = time.perf_counter() - seq.request.submitted
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        delta, done = seq.decoder.push(token)
+        if done is None and len(seq.generated) >= seq.max_tokens:
+            done = "length"
+        if done is not None:
+            seq.finish_reason = done
+            delta += seq.decoder.flush()
+        lps = [logprob] if seq.request.params.logprobs else None
+        seq.request.events.put(StreamEvent([token], delta, logprobs=lps, index=seq.index))
+
+    def _fork(self, primary: Sequence, logits: torch.Tensor) -> None:
+        """The other samples of a request with n > 1: each starts from a copy of the
+        prompt's KV and a fork of its cached blocks, and samples from the same logits."""
+        count, primary.samples_to_fork = primary.samples_to_fork, 0
+        share = primary.sibling_capacity // count
+        primary.sibling_capacity = 0
+        prompt = primary.tokens[: primary.num_prompt_tokens]
+        for index in range(1, count + 1):
+            sib = self._sequence(primary.request, index, list(prompt), primary.max_tokens)
+            sib.capacity, sib.num_computed = share, primary.num_computed
+            sib.cached_tokens, sib.tier_hits = primary.cached_tokens, dict(primary.tier_hits)
+            sib.admitted = sib.prompt_cached = True
+            self.scheduler.adopt(sib, primary.order)
+            try:
+                if primary.kv is not None:
+                    sib.kv = self.adapter.new_kv_buffer(share)
+                    sib.kv[:, :, :, : sib.num_computed].copy_(
+                        primary.kv[:, :, :, : sib.num_computed]
+                    )
+                else:
+                    sib.cache = _copy_cache(primary.cache)
+                if primary.handle is not None:
+                    sib.handle = primary.handle.fork()
+                self._emit_token(sib, logits)
+            except Exception as exc:
+                log.exception("starting sample %d failed", index)
+                self._fail(sib, exc)
+                continue
+            if sib.finish_reason is not None:
+                self._finish(sib)
+
+    # -- the end ------------------------------------------------------------------------
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        """End `seq` with `exc`; its request's other samples are cancelled."""
+        req = seq.request
+        if not req.failed:
+            req.failed = True
+            req.events.put(exc)
+            req.cancelled.set()
+        seq.finish_reason = "error"
+        self._finish(seq)
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self._release(seq, cache=seq.finish_reason not in ("cancelled", "error"))
+        req = seq.request
+        result = seq.result()
+        req.results.append(result)
+        if not req.failed:
+            req.events.put(StreamEvent([], "", finished=True, result=result, index=seq.index))
+        req.num_open -= 1
+        for index in range(1, seq.samples_to_fork + 1):  # samples it never forked
+            unborn = self._sequence(req, index, list(req.prompt), 0)
+            unborn.finish_reason = "cancelled"
+            req.num_open -= 1
+            if not req.failed:
+                req.events.put(
+                    StreamEvent([], "", finished=True, result=unborn.result(), index=index)
+                )
+        seq.samples_to_fork = 0
+        if req.num_open <= 0:
+            self.on_request_done(req)
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every sequence with `exc` (shutdown, or the worker dying)."""
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            try:
+                self._fail(seq, exc)
+            except Exception:  # keep going: every caller must hear the end
+                log.exception("ending a request failed")
+
+
+def _copy_cache(cache: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(cache)

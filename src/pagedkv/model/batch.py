@@ -1,0 +1,221 @@
+"""Many sequences in one forward: a ragged batch over per-sequence KV buffers.
+
+The engine's step puts every running sequence's new tokens (one for a decoding
+sequence, a chunk for a prefilling one) side by side in one row of
+`[1, total_tokens]`, with each token's own position. Everything in a decoder
+but attention works token by token, so the linear layers see one matrix of all
+the step's tokens: that is where batching pays. Attention is the one place
+where sequences must stay apart; `ragged_attention`, registered with
+transformers as an attention implementation, writes each sequence's new keys
+and values into that sequence's own buffer `[L, 2, kv_heads, capacity,
+head_dim]` and attends over it alone.
+
+Rejected: a padded `[batch, max_len]` batch over transformers' cache objects,
+which copies (or pads) every sequence's whole history into one tensor at every
+step; and attention over the RAM tier's paged blocks, which on CPU means
+gathering the blocks into a contiguous run at every step (a copy of the whole
+context per token) for want of a paged kernel.
+
+Exactness: a query row's attention runs over the same keys, in the same
+order, whatever the chunk it arrived in and whatever else is in the batch, so
+a sequence's KV does not depend on how its prefill was cut. Keys are always
+passed from a position that is a multiple of `_KEY_ALIGN` (0 for full
+attention), so the kernel's key blocks fall on the same absolute positions
+whatever the chunking. The linear layers are another matter: their rows do
+depend on the number of rows on these CPUs for a few small counts (see
+`DeterministicRows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "pagedkv_ragged"
+# Multiple of the CPU flash-attention kernel's key block (512), so a sliding window's
+# first key block starts at the same absolute position however a prefill was chunked.
+_KEY_ALIGN = 2048
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """One sequence's share of a batched forward: `token_ids` at positions `start,
+    start + 1, ...`, after the `start` tokens whose KV `kv` `[L, 2, kv_heads,
+    capacity, head_dim]` already holds. `want_logits`: the step samples from the
+    logits of the chunk's last token."""
+
+    kv: torch.Tensor
+    start: int
+    token_ids: Sequence[int]
+    want_logits: bool
+
+
+@dataclass(slots=True)
+class RaggedPlan:
+    """Where each chunk's rows are in the flattened batch; handed to every attention
+    layer through the model's keyword arguments."""
+
+    chunks: list[SeqChunk]
+    offsets: list[int]
+    num_rows: int  # rows that belong to chunks; rows past it are padding
+
+
+def ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    pagedkv_plan: RaggedPlan | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for `[1, heads, rows, head_dim]` queries; returns `[1, rows, heads, head_dim]`.
+
+    With a plan, each chunk's keys and values go into its sequence's buffer first.
+    Without one (a plain forward over a transformers cache, which has already
+    appended `key`/`value`), the queries are the last rows of the keys."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("ragged attention has no logit softcap or attention sinks")
+    window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
+    if pagedkv_plan is None:
+        start = key.shape[2] - query.shape[2]
+        out = _attend(query, key, value, start, window, scaling, align=False)
+        return out.transpose(1, 2).contiguous(), None
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    rows = query.shape[2]
+    heads, head_dim = query.shape[1], query.shape[3]
+    padded = rows > pagedkv_plan.num_rows
+    new = torch.zeros if padded else torch.empty
+    out = new((1, rows, heads, head_dim), dtype=query.dtype, device=query.device)
+    for chunk, first in zip(pagedkv_plan.chunks, pagedkv_plan.offsets, strict=True):
+        n = len(chunk.token_ids)
+        end = chunk.start + n
+        buf = chunk.kv[layer]
+        buf[0, :, chunk.start : end].copy_(key[0, :, first : first + n])
+        buf[1, :, chunk.start : end].copy_(value[0, :, first : first + n])
+        keys, values = buf[0, :, :end].unsqueeze(0), buf[1, :, :end].unsqueeze(0)
+        q = query[:, :, first : first + n]
+        o = _attend(q, keys, values, chunk.start, window, scaling, align=True)
+        out[0, first : first + n].copy_(o[0].transpose(0, 1))
+    return out, None
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+    scaling: float | None,
+    align: bool,
+) -> torch.Tensor:
+    """SDPA of queries at positions `start + i` over `keys[..., :start + n]`, causal and,
+    with `window`, limited to the last `window` positions; `[1, heads, n, head_dim]`."""
+    n = query.shape[2]
+    low = 0
+    if window is not None:
+        low = max(0, start - window + 1)
+        if align:
+            low -= low % _KEY_ALIGN
+        keys, values = keys[:, :, low:], values[:, :, low:]
+    gqa = query.shape[1] != keys.shape[1]
+    mask: torch.Tensor | None = None
+    causal = False
+    if n > 1 or (window is not None and start - low >= window):
+        if start == 0 and low == 0 and window is None:
+            causal = True
+        else:
+            pos = torch.arange(start, start + n, device=query.device).unsqueeze(1)
+            kpos = torch.arange(low, start + n, device=query.device).unsqueeze(0)
+            mask = kpos <= pos
+            if window is not None:
+                mask &= kpos > pos - window
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
+    )
+
+
+AttentionInterface.register(ATTENTION_NAME, ragged_attention)
+
+
+def plan_batch(
+    chunks: list[SeqChunk], pad_rows: Callable[[int], int] | None = None, device: Any = "cpu"
+) -> tuple[RaggedPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan, input ids `[1, rows]`, position ids `[1, rows]` and the rows whose
+    logits are wanted, in chunk order. `pad_rows(n)` (see `DeterministicRows`) gives
+    how many rows to run for n real ones, and how many logit rows for n wanted:
+    padding rows hold token 0 and attend to nothing; padding logit rows repeat one."""
+    offsets: list[int] = []
+    ids: list[int] = []
+    positions: list[int] = []
+    keep: list[int] = []
+    row = 0
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        offsets.append(row)
+        ids.extend(chunk.token_ids)
+        positions.extend(range(chunk.start, chunk.start + n))
+        row += n
+        if chunk.want_logits:
+            keep.append(row - 1)
+    if pad_rows is not None:
+        pad = pad_rows(row) - row
+        ids.extend([0] * pad)
+        positions.extend([0] * pad)
+        if keep:
+            keep.extend([keep[-1]] * (pad_rows(len(keep)) - len(keep)))
+    plan = RaggedPlan(chunks, offsets, row)
+    ids_t = torch.tensor([ids], dtype=torch.long, device=device)
+    positions_t = torch.tensor([positions], dtype=torch.long, device=device)
+    return plan, ids_t, positions_t, torch.tensor(keep, dtype=torch.long, device=device)
+
+
+class DeterministicRows:
+    """Row counts at which every row of a linear layer comes out as it would among
+    any other number of rows, and the padding that reaches one.
+
+    On these CPUs a matrix product's rows are bit-identical whatever the number
+    of rows for most counts, but not for a few small ones (there, BLAS takes
+    other kernels: measured, 1-3, 5-7 and 9-11 rows differ from 4, 8 and 12 or
+    more). A batch padded to a stable count computes each sequence's rows as
+    they would be computed in any other stable batch, so a request's output no
+    longer depends on what else runs. The stable counts are measured here, on
+    the model's own weight shapes, once at start-up; counts above `probe_rows`
+    are taken as stable (prefills of hundreds of rows are).
+    """
+
+    def __init__(self, weights: Sequence[torch.Tensor], probe_rows: int = 32) -> None:
+        self.probe_rows = probe_rows
+        stable = set(range(1, probe_rows + 1))
+        gen = torch.Generator().manual_seed(0)
+        for weight in weights:
+            x = torch.randn(2 * probe_rows, weight.shape[1], generator=gen).to(weight.dtype)
+            with torch.inference_mode():
+                want = torch.nn.functional.linear(x, weight)
+                for rows in list(stable):
+                    got = torch.nn.functional.linear(x[:rows], weight)
+                    if not torch.equal(got, want[:rows]):
+                        stable.discard(rows)
+        self.stable = sorted(stable)
+
+    def __call__(self, rows: int) -> int:
+        """The smallest stable row count >= `rows`."""
+        if rows > self.probe_rows:
+            return rows
+        return next((s for s in self.stable if s >= rows), self.probe_rows + 1)
+
+
+def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """One weight of each distinct shape among the model's linear layers."""
+    seen: dict[tuple[int, ...], torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            seen.setdefault(tuple(module.weight.shape), module.weight)
+    return list(seen.values())
