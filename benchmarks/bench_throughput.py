@@ -1,12 +1,13 @@
 """Many users at once through `pagedkv serve`: aggregate tokens/s, TTFT and ITL.
 
     .venv/bin/python benchmarks/bench_throughput.py [--streams 1,4,8,16] [--tokens 64]
-        [--rounds 3] [--deterministic] [--baseline-src DIR]
+        [--prompt-words 40] [--rounds 3] [--deterministic] [--src DIR]
 
 Starts `pagedkv serve` (bundled model, RAM tier only) on 127.0.0.1 and, for each
 stream count N, has N clients stream a completion of `--tokens` tokens each, at
-the same moment, from prompts of ~120 tokens no other request shares (so the
-figures are compute, not cache hits). Per N, median of `--rounds` rounds:
+the same moment, from prompts of `--prompt-words` words (40 words: ~55 tokens,
+a chat question) that no other request shares, so the figures are compute, not
+cache hits. Per N, median of `--rounds` rounds:
 
 - aggregate tokens/s: all generated tokens / wall time of the round;
 - TTFT p50/p90 over every request of every round;
@@ -15,9 +16,10 @@ figures are compute, not cache hits). Per N, median of `--rounds` rounds:
 Then the cost of a newcomer: the TTFT of a new uncached 300-token request sent
 while 7 streams decode, against the same request on the idle server.
 
-`--deterministic` serves with `--deterministic`. `--baseline-src DIR` also runs a
-server from another checkout's `src/` (e.g. a worktree of an older commit) in
-the same run, servers taking turns round by round, and prints both.
+`--deterministic` serves with `--deterministic`. `--src DIR` serves another
+checkout's `src/` instead (a worktree of an older commit, say): run the two
+one after the other to compare them. Only one server runs at a time: a second,
+idle server's threads were seen to slow the measured one.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def stream_one(url: str, text: str, tokens: int, out: Stream, start: threading.B
                 out.stamps.append(now)
 
 
-def round_of(server: Server, n: int, tokens: int, words: int = 90) -> tuple[float, list[Stream]]:
+def round_of(server: Server, n: int, tokens: int, words: int) -> tuple[float, list[Stream]]:
     """N streams at once; (wall time, the streams)."""
     streams = [Stream() for _ in range(n)]
     barrier = threading.Barrier(n + 1)
@@ -190,47 +192,42 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--deterministic", action="store_true")
-    ap.add_argument("--baseline-src", default=None, help="another checkout's src/ to compare")
+    ap.add_argument("--prompt-words", type=int, default=40)
+    ap.add_argument("--src", default=None, help="serve another checkout's src/ instead")
     ap.add_argument("--newcomer-runs", type=int, default=3)
     args = ap.parse_args()
     counts = [int(c) for c in args.streams.split(",")]
     extra = ["--deterministic"] if args.deterministic else []
-    servers = [start_server("pagedkv", None, extra)]
-    if args.baseline_src:
-        src = str(Path(args.baseline_src).resolve())
-        servers.append(start_server("baseline", src, []))
+    src = str(Path(args.src).resolve()) if args.src else None
+    server = start_server(args.src or "pagedkv", src, extra)
+    servers = [server]
     try:
-        for server in servers:  # warm up: first forwards of each shape
-            round_of(server, 2, 4)
-        table: dict[str, dict[int, dict[str, float]]] = {s.name: {} for s in servers}
+        round_of(server, 2, 4, args.prompt_words)  # warm up: first forwards of each shape
+        table: dict[str, dict[int, dict[str, float]]] = {server.name: {}}
         for n in counts:
-            walls: dict[str, list[float]] = {s.name: [] for s in servers}
-            streams: dict[str, list[Stream]] = {s.name: [] for s in servers}
+            walls, got = [], []
             for _ in range(args.rounds):
-                for server in servers:
-                    wall, got = round_of(server, n, args.tokens)
-                    walls[server.name].append(wall)
-                    streams[server.name] += got
-            for server in servers:
-                got = streams[server.name]
-                gaps = [b - a for s in got for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
-                table[server.name][n] = {
-                    "tok_s": n * args.tokens / statistics.median(walls[server.name]),
-                    "ttft_p50": pct([s.ttft for s in got], 0.5),
-                    "ttft_p90": pct([s.ttft for s in got], 0.9),
-                    "itl_p50": statistics.median(gaps) if gaps else float("nan"),
-                }
-        newcomer: dict[str, tuple[float, float]] = {}
-        for server in servers:
-            idle = [newcomer_ttft(server, 0) for _ in range(args.newcomer_runs)]
-            loaded = [newcomer_ttft(server, 7) for _ in range(args.newcomer_runs)]
-            newcomer[server.name] = (statistics.median(idle), statistics.median(loaded))
+                wall, streams = round_of(server, n, args.tokens, args.prompt_words)
+                walls.append(wall)
+                got += streams
+            gaps = [b - a for s in got for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
+            table[server.name][n] = {
+                "tok_s": n * args.tokens / statistics.median(walls),
+                "ttft_p50": pct([s.ttft for s in got], 0.5),
+                "ttft_p90": pct([s.ttft for s in got], 0.9),
+                "itl_p50": statistics.median(gaps) if gaps else float("nan"),
+            }
+        idle = [newcomer_ttft(server, 0) for _ in range(args.newcomer_runs)]
+        loaded = [newcomer_ttft(server, 7) for _ in range(args.newcomer_runs)]
+        newcomer = {server.name: (statistics.median(idle), statistics.median(loaded))}
     finally:
-        for server in servers:
-            server.proc.send_signal(signal.SIGTERM)
-            server.proc.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(60)
     mode = " (--deterministic)" if args.deterministic else ""
-    print(f"bundled model, {args.tokens} tokens per stream, median of {args.rounds} rounds{mode}")
+    print(
+        f"bundled model, {args.prompt_words}-word prompts, {args.tokens} tokens per stream, "
+        f"median of {args.rounds} rounds{mode}"
+    )
     for server in servers:
         rows = table[server.name]
         one = rows[counts[0]]

@@ -185,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run against a running OpenAI-compatible server instead",
     )
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--concurrency",
+        type=int,
+        default=int(env("--concurrency", 1)),
+        help="users sending requests at once (default 1); each session stays in order",
+    )
     bench.set_defaults(func=cmd_bench)
 
     cache = sub.add_parser("cache", help="inspect or repair the SSD tier")

@@ -126,3 +126,24 @@ def test_bench_through_an_openai_compatible_server(
         assert r["ideal_reused_tokens"] is not None
         assert r["reuse_ratio"] >= 0.9, r
     assert (out / "results.png").is_file()
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_bench_with_several_users_at_once(
+    tiny_llama_dir: Path, tmp_path: Path, server_url: str, remote: bool
+) -> None:
+    out = tmp_path / "out"
+    args = _args(tiny_llama_dir, out, tmp_path / "ssd", "chat", "restart")
+    args.concurrency = 3  # type: ignore[attr-defined]
+    if remote:
+        args.url = server_url  # type: ignore[attr-defined]
+    assert main(args) == 0  # type: ignore[arg-type]
+    results = json.loads((out / "results.json").read_text())
+    for r in results:
+        assert r["concurrency"] == 3
+        assert r["requests"] == len(r["per_request"]) > 0
+        assert r["reused_tokens"] > 0 and r["reuse_ratio"] >= 0.8, r
+        assert r["generated_tokens_per_s"] > 0
+        if not remote:  # the ideal is exact locally, an estimate through the API
+            assert r["reused_tokens"] <= r["ideal_reused_tokens"], "reused KV the ideal never saw"
+            assert r["outputs_identical"] == r["outputs_compared"] == r["requests"]

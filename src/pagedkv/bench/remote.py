@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
+from pagedkv.bench.concurrent import run_steps
 from pagedkv.bench.ideal import IdealCache
 from pagedkv.bench.render import Renderer
 from pagedkv.bench.report import RequestRecord, summarize
@@ -140,20 +142,25 @@ def run_remote(args: argparse.Namespace, names: Sequence[str], size: str) -> lis
         if name == "restart":
             print("skipping the restart workload: it needs to restart the server", file=sys.stderr)
             continue
-        results.append(_run_workload(client, model, build_workload(name, size, args.seed), local))
+        workload = build_workload(name, size, args.seed)
+        concurrency = getattr(args, "concurrency", 1)
+        results.append(_run_workload(client, model, workload, local, concurrency))
     return results
 
 
 def _run_workload(
-    client: Any, model: str, workload: Any, local: tuple[Renderer, Any] | None
+    client: Any,
+    model: str,
+    workload: Any,
+    local: tuple[Renderer, Any] | None,
+    concurrency: int = 1,
 ) -> dict[str, Any]:
     salt = "pagedkv-bench-" + uuid.uuid4().hex
     ideal = IdealCache()
-    ideal_ok = local is not None
+    lock = threading.Lock()
     notes: list[str] = []
     histories: dict[int, list[Message]] = {}
-    records: list[RequestRecord] = []
-    sent: list[list[Message]] = []
+    done: dict[int, tuple[RequestRecord, list[Message]]] = {}
     bar = tqdm(
         total=2 * len(workload.steps),
         desc=workload.name,
@@ -161,48 +168,57 @@ def _run_workload(
         file=sys.stderr,
         dynamic_ncols=True,
     )
-    t_start = time.perf_counter()
-    for i, step in enumerate(workload.steps):
+
+    submitted: list[tuple[int, list[int] | None]] = []  # (step, local prompt ids)
+    answers: dict[int, list[int]] = {}
+
+    def cached_step(i: int) -> None:
+        step = workload.steps[i]
         history = histories.setdefault(step.session, [])
         history.extend(step.messages)
+        prompt = local[0](history) if local is not None else None
+        with lock:
+            submitted.append((i, prompt))
         reply = _chat(client, model, history, step.max_tokens, salt)
-        ideal_tokens: int | None = None
-        if local is not None and ideal_ok:
-            render, tok = local
-            prompt = render(history)
+        if prompt is not None and local is not None:
             if len(prompt) != reply.prompt_tokens:
-                ideal_ok = False
-                notes.append(
-                    f"local prompt has {len(prompt)} tokens, the server counted "
-                    f"{reply.prompt_tokens}: the ideal is not computed"
-                )
-            else:
-                answer = [int(t) for t in tok.encode(reply.text, add_special_tokens=False)]
-                ideal_tokens = ideal.reusable(prompt)
-                # `remember` drops the last generated id: at a stop that is the end token,
-                # which the text does not show (-1 stands in); at "length", the last token.
-                stopped = reply.finish_reason == "stop"
-                ideal.remember(prompt, [*answer, -1] if stopped else answer)
-        records.append(
-            RequestRecord(
-                step=i,
-                session=step.session,
-                turn=step.turn,
-                prompt_tokens=reply.prompt_tokens,
-                cached_tokens=reply.cached_tokens,
-                ideal_tokens=ideal_tokens,
-                generated_tokens=reply.completion_tokens,
-                ttft_cached_s=reply.ttft_s,
-                total_cached_s=reply.total_s,
-            )
+                with lock:
+                    notes.append(
+                        f"local prompt has {len(prompt)} tokens, the server counted "
+                        f"{reply.prompt_tokens}: the ideal is not computed"
+                    )
+            answer = [int(t) for t in local[1].encode(reply.text, add_special_tokens=False)]
+            # `remember` drops the last generated id: at a stop that is the end token,
+            # which the text does not show (-1 stands in); at "length", the last token.
+            answers[i] = [*answer, -1] if reply.finish_reason == "stop" else answer
+        record = RequestRecord(
+            step=i,
+            session=step.session,
+            turn=step.turn,
+            prompt_tokens=reply.prompt_tokens,
+            cached_tokens=reply.cached_tokens,
+            ideal_tokens=None,
+            generated_tokens=reply.completion_tokens,
+            ttft_cached_s=reply.ttft_s,
+            total_cached_s=reply.total_s,
         )
-        sent.append([dict(m) for m in history])
+        done[i] = (record, [dict(m) for m in history])
         history.append({"role": "assistant", "content": reply.text})
         bar.update()
-    cached_wall = time.perf_counter() - t_start
 
-    t0 = time.perf_counter()
-    for rec, messages in zip(records, sent, strict=True):
+    t_start = time.perf_counter()
+    indices = list(range(len(workload.steps)))
+    run_steps(workload.steps, indices, concurrency, cached_step)
+    cached_wall = time.perf_counter() - t_start
+    records = [done[i][0] for i in indices]
+    ideal_ok = local is not None and not notes
+    if ideal_ok:  # in submission order: see run.run_workload
+        for i, prompt in submitted:
+            assert prompt is not None
+            done[i][0].ideal_tokens = ideal.observe(prompt, answers[i])
+
+    def cold_step(i: int) -> None:
+        rec, messages = done[i]
         reply = _chat(
             client,
             model,
@@ -213,6 +229,9 @@ def _run_workload(
         rec.ttft_cold_s, rec.total_cold_s = reply.ttft_s, reply.total_s
         rec.cold_cached_tokens = reply.cached_tokens
         bar.update()
+
+    t0 = time.perf_counter()
+    run_steps(workload.steps, indices, concurrency, cold_step)
     cold_wall = time.perf_counter() - t0
     bar.close()
     if not ideal_ok:
@@ -221,6 +240,11 @@ def _run_workload(
     cold_reused = sum(r.cold_cached_tokens or 0 for r in records)
     if cold_reused:
         notes.append(f"the cold pass reused {cold_reused} tokens: the server ignores cache_salt")
+    if concurrency > 1:
+        notes.append(
+            f"{concurrency} users at once: the ideal counts every earlier-submitted "
+            "request as finished; reuse below it includes what concurrency made impossible"
+        )
     return summarize(
         workload=workload.name,
         model=model,
@@ -233,6 +257,7 @@ def _run_workload(
             "size": workload.size,
             "seed": workload.seed,
             "description": workload.description,
+            "concurrency": concurrency,
             "cold_pass": "same messages, a fresh random cache_salt per request",
             "ideal_method": "estimate: local prompt ids + re-encoded answer text",
             "notes": notes,

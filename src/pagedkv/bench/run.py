@@ -22,6 +22,7 @@ import dataclasses
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagedkv.bench.concurrent import run_steps
 from pagedkv.bench.ideal import IdealCache
 from pagedkv.bench.render import Renderer
 from pagedkv.bench.report import RequestRecord, format_table, summarize, write_json, write_plot
@@ -76,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace, names: Sequence[str], size: str) -> list[dict[str, Any]]:
-    from pagedkv.flags import cache_config_from_args
+    from pagedkv.flags import cache_config_from_args, scheduler_config_from_args
     from pagedkv.model import load_model
 
     adapter = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -96,21 +98,35 @@ def run_local(args: argparse.Namespace, names: Sequence[str], size: str) -> list
             )
             if base.ram_cache_bytes is None and workload.ram_cache_tokens:
                 config.ram_cache_bytes = workload.ram_cache_tokens * adapter.kv_bytes_per_token
-            results.append(run_workload(adapter, workload, config))
+            results.append(
+                run_workload(
+                    adapter,
+                    workload,
+                    config,
+                    concurrency=getattr(args, "concurrency", 1),
+                    scheduling=scheduler_config_from_args(args),
+                )
+            )
     return results
 
 
-def run_workload(adapter: Any, workload: Workload, config: CacheConfig) -> dict[str, Any]:
-    """The cached pass (online conversation), then the cold replay of its measured prompts."""
+def run_workload(
+    adapter: Any,
+    workload: Workload,
+    config: CacheConfig,
+    concurrency: int = 1,
+    scheduling: Any = None,
+) -> dict[str, Any]:
+    """The cached pass (online conversation), then the cold replay of its measured prompts,
+    each with `concurrency` users at once."""
     from pagedkv.engine import Engine, SamplingParams
 
     render = Renderer(adapter.apply_chat_template, adapter.encode)
     measured = workload.measured_steps
     ideal = IdealCache()
+    lock = threading.Lock()
     histories: dict[int, list[Message]] = {}
-    records: list[RequestRecord] = []
-    prompts: list[list[int]] = []
-    outputs: list[list[int]] = []
+    done: dict[int, tuple[RequestRecord, list[int], list[int]]] = {}
     notes: list[str] = []
     if workload.restart_at is not None and config.ssd_cache_dir is None:
         notes.append("no SSD tier (--no-ssd-cache): the restarted engine starts empty")
@@ -121,72 +137,103 @@ def run_workload(adapter: Any, workload: Workload, config: CacheConfig) -> dict[
         file=sys.stderr,
         dynamic_ncols=True,
     )
+
+    submitted: list[tuple[int, list[int]]] = []  # (step, prompt) in submission order
+
+    def cached_step(i: int) -> None:
+        step = workload.steps[i]
+        history = histories.setdefault(step.session, [])
+        history.extend(step.messages)
+        prompt = render(history)
+        params = SamplingParams(max_tokens=step.max_tokens, temperature=0.0)
+        with lock:
+            submitted.append((i, prompt))
+            stream = engine.stream(prompt, params)
+        r = None
+        for event in stream:
+            if event.finished:
+                r = event.result
+        assert r is not None
+        history.append({"role": "assistant", "content": r.text})
+        record = RequestRecord(
+            step=i,
+            session=step.session,
+            turn=step.turn,
+            prompt_tokens=r.prompt_tokens,
+            cached_tokens=r.cached_tokens,
+            ideal_tokens=None,
+            generated_tokens=len(r.token_ids),
+            ttft_cached_s=r.ttft_s,
+            total_cached_s=r.total_s,
+            tier_hits=dict(r.tier_hits),
+        )
+        done[i] = (record, prompt, list(r.token_ids))
+        bar.update()
+
     t_start = time.perf_counter()
-    engine = Engine(adapter, config)
+    engine = Engine(adapter, config, scheduling=scheduling)
     try:
         _warm_up(engine, ideal)
+        indices = list(range(len(workload.steps)))
+        if workload.restart_at is not None:
+            run_steps(workload.steps, indices[: workload.restart_at], concurrency, cached_step)
+            engine.close()
+            if config.ssd_cache_dir is not None:
+                _drop_page_cache(Path(config.ssd_cache_dir))
+            engine = Engine(adapter, config, scheduling=scheduling)
+            _warm_up(engine, ideal)
         t0 = time.perf_counter()
-        for i, step in enumerate(workload.steps):
-            if i == workload.restart_at:
-                engine.close()
-                if config.ssd_cache_dir is not None:
-                    _drop_page_cache(Path(config.ssd_cache_dir))
-                engine = Engine(adapter, config)
-                _warm_up(engine, ideal)
-                t0 = time.perf_counter()
-            history = histories.setdefault(step.session, [])
-            history.extend(step.messages)
-            prompt = render(history)
-            r = engine.generate(prompt, SamplingParams(max_tokens=step.max_tokens, temperature=0.0))
-            ideal_tokens = ideal.observe(prompt, r.token_ids)
-            history.append({"role": "assistant", "content": r.text})
-            if i in measured:
-                records.append(
-                    RequestRecord(
-                        step=i,
-                        session=step.session,
-                        turn=step.turn,
-                        prompt_tokens=r.prompt_tokens,
-                        cached_tokens=r.cached_tokens,
-                        ideal_tokens=ideal_tokens,
-                        generated_tokens=len(r.token_ids),
-                        ttft_cached_s=r.ttft_s,
-                        total_cached_s=r.total_s,
-                        tier_hits=dict(r.tier_hits),
-                    )
-                )
-                prompts.append(prompt)
-                outputs.append(list(r.token_ids))
-            bar.update()
+        run_steps(workload.steps, list(measured), concurrency, cached_step)
         cached_wall = time.perf_counter() - t0
         stats = engine.cache_stats()
     finally:
         engine.close()
+    # The ideal reuses whatever any earlier-submitted request computed, as if each had
+    # finished before the next one started: with several users at once the engine
+    # cannot reuse what is still being computed, and that shows as reuse below it.
+    for i, prompt in submitted:
+        reusable = ideal.observe(prompt, done[i][2])
+        if i in measured:
+            done[i][0].ideal_tokens = reusable
+    records = [done[i][0] for i in measured]
+    prompts = [done[i][1] for i in measured]
+    outputs = [done[i][2] for i in measured]
 
     cold = Engine(
         adapter,
         dataclasses.replace(
             config, enable_prefix_caching=False, ssd_cache_dir=None, redis_url=None
         ),
+        scheduling=scheduling,
     )
+
+    def cold_step(i: int) -> None:
+        k = i - measured.start
+        rec, prompt, want = records[k], prompts[k], outputs[k]
+        r = cold.generate(
+            prompt,
+            SamplingParams(max_tokens=rec.generated_tokens, temperature=0.0, ignore_eos=True),
+        )
+        rec.ttft_cold_s, rec.total_cold_s = r.ttft_s, r.total_s
+        rec.cold_cached_tokens = r.cached_tokens
+        rec.same_output = list(r.token_ids) == want
+        bar.update()
+
     try:
         _warm_up(cold, None)
         t0 = time.perf_counter()
-        for rec, prompt, want in zip(records, prompts, outputs, strict=True):
-            r = cold.generate(
-                prompt,
-                SamplingParams(max_tokens=rec.generated_tokens, temperature=0.0, ignore_eos=True),
-            )
-            rec.ttft_cold_s, rec.total_cold_s = r.ttft_s, r.total_s
-            rec.cold_cached_tokens = r.cached_tokens
-            rec.same_output = list(r.token_ids) == want
-            bar.update()
+        run_steps(workload.steps, list(measured), concurrency, cold_step)
         cold_wall = time.perf_counter() - t0
     finally:
         cold.close()
         bar.close()
     if render.kind != "chat template":
         notes.append(f"prompts rendered as a {render.kind}")
+    if concurrency > 1:
+        notes.append(
+            f"{concurrency} users at once: the ideal counts every earlier-submitted "
+            "request as finished; reuse below it includes what concurrency made impossible"
+        )
     return summarize(
         workload=workload.name,
         model=adapter.name,
@@ -199,13 +246,14 @@ def run_workload(adapter: Any, workload: Workload, config: CacheConfig) -> dict[
             "size": workload.size,
             "seed": workload.seed,
             "description": workload.description,
+            "concurrency": concurrency,
             "block_size": config.block_size,
             "ram_cache_bytes": config.ram_cache_bytes,
             "tiers": ["ram"]
             + (["ssd"] if config.ssd_cache_dir else [])
             + (["redis"] if config.redis_url else []),
             "cold_pass": "same prompt ids, prefix caching off, max_tokens = cached pass's "
-            "output length, ignore_eos",
+            "output length, ignore_eos, same concurrency",
             "ideal_method": "exact: prompt ids + generated ids of the cached pass",
             "prompt_format": render.kind,
             "cache_stats": dataclasses.asdict(stats),

@@ -27,7 +27,8 @@ from pagedkv.errors import (
     RequestTooLargeError,
 )
 from pagedkv.model import ModelAdapter, load_model
-from pagedkv.model.batch import DeterministicRows, linear_weights
+from pagedkv.model.batch import DeterministicRows, linear_layers
+from pagedkv.model.linear import set_flipping
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class Engine:
         # later forward of the worker by ~30% for the life of the process.
         self._call(adapter.warmup)
         if self.scheduling.deterministic and adapter.batched:
-            self._worker.rows = self._call(lambda: DeterministicRows(linear_weights(adapter.model)))
+            set_flipping(adapter.model, False)
+            self._worker.rows = self._call(lambda: DeterministicRows(linear_layers(adapter.model)))
             log.info("deterministic batches: row counts %s", self._worker.rows.stable)
 
     @classmethod

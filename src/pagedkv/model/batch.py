@@ -29,7 +29,7 @@ depend on the number of rows on these CPUs for a few small counts (see
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,13 +55,77 @@ class SeqChunk:
 
 
 @dataclass(slots=True)
+class _Span:
+    """One chunk as attention sees it: rows `[first, first + n)` of the batch, keys
+    `[low, end)` of its buffer, and the mask (None: all of them, or causal). The
+    views have a leading layer axis, so a layer takes its own with one index."""
+
+    first: int
+    n: int
+    low: int
+    mask: torch.Tensor | None
+    causal: bool
+    new: torch.Tensor  # [L, 2, H, n, D]: where the chunk's keys and values go
+    keys: torch.Tensor  # [L, 1, H, end - low, D]
+    values: torch.Tensor
+
+
+@dataclass(slots=True)
 class RaggedPlan:
     """Where each chunk's rows are in the flattened batch; handed to every attention
-    layer through the model's keyword arguments."""
+    layer through the model's keyword arguments. The spans (key ranges and masks) are
+    worked out once per window size and shared by every layer with that window."""
 
     chunks: list[SeqChunk]
     offsets: list[int]
     num_rows: int  # rows that belong to chunks; rows past it are padding
+    _spans: dict[int | None, list[_Span]] = field(default_factory=dict)
+
+    def spans(self, window: int | None, device: torch.device) -> list[_Span]:
+        spans = self._spans.get(window)
+        if spans is None:
+            spans = [
+                _span(chunk, first, window, device, align=True)
+                for chunk, first in zip(self.chunks, self.offsets, strict=True)
+            ]
+            self._spans[window] = spans
+        return spans
+
+
+def _span(
+    chunk: SeqChunk, first: int, window: int | None, device: torch.device, align: bool
+) -> _Span:
+    """Queries at positions `start + i` see keys `[0, start + i]`, and with `window` only
+    the last `window` of them."""
+    n = len(chunk.token_ids)
+    start, end = chunk.start, chunk.start + n
+    low = 0
+    if window is not None:
+        low = max(0, start - window + 1)
+        if align:
+            low -= low % _KEY_ALIGN
+    mask: torch.Tensor | None = None
+    causal = False
+    if n > 1 or (window is not None and start - low >= window):
+        if start == 0 and low == 0 and window is None:
+            causal = True
+        else:
+            pos = torch.arange(start, end, device=device).unsqueeze(1)
+            kpos = torch.arange(low, end, device=device).unsqueeze(0)
+            mask = kpos <= pos
+            if window is not None:
+                mask &= kpos > pos - window
+    kv = chunk.kv
+    return _Span(
+        first,
+        n,
+        low,
+        mask,
+        causal,
+        kv[:, :, :, start:end],
+        kv[:, 0:1, :, low:end],
+        kv[:, 1:2, :, low:end],
+    )
 
 
 def ragged_attention(
@@ -84,62 +148,28 @@ def ragged_attention(
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("ragged attention has no logit softcap or attention sinks")
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gqa = query.shape[1] != key.shape[1]
     if pagedkv_plan is None:
-        start = key.shape[2] - query.shape[2]
-        out = _attend(query, key, value, start, window, scaling, align=False)
-        return out.transpose(1, 2).contiguous(), None
+        n = query.shape[2]
+        start = key.shape[2] - n
+        chunk = SeqChunk(key.transpose(0, 1).unsqueeze(0), start, range(n), False)
+        s = _span(chunk, 0, window, query.device, align=False)
+        o = sdpa(query, key[:, :, s.low :], value[:, :, s.low :], attn_mask=s.mask,
+                 is_causal=s.causal, scale=scaling, enable_gqa=gqa)  # fmt: skip
+        return o.transpose(1, 2).contiguous(), None
     layer = int(module.layer_idx)  # type: ignore[arg-type]
-    rows = query.shape[2]
-    heads, head_dim = query.shape[1], query.shape[3]
-    padded = rows > pagedkv_plan.num_rows
-    new = torch.zeros if padded else torch.empty
-    out = new((1, rows, heads, head_dim), dtype=query.dtype, device=query.device)
-    for chunk, first in zip(pagedkv_plan.chunks, pagedkv_plan.offsets, strict=True):
-        n = len(chunk.token_ids)
-        end = chunk.start + n
-        buf = chunk.kv[layer]
-        buf[0, :, chunk.start : end].copy_(key[0, :, first : first + n])
-        buf[1, :, chunk.start : end].copy_(value[0, :, first : first + n])
-        keys, values = buf[0, :, :end].unsqueeze(0), buf[1, :, :end].unsqueeze(0)
-        q = query[:, :, first : first + n]
-        o = _attend(q, keys, values, chunk.start, window, scaling, align=True)
-        out[0, first : first + n].copy_(o[0].transpose(0, 1))
-    return out, None
-
-
-def _attend(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    start: int,
-    window: int | None,
-    scaling: float | None,
-    align: bool,
-) -> torch.Tensor:
-    """SDPA of queries at positions `start + i` over `keys[..., :start + n]`, causal and,
-    with `window`, limited to the last `window` positions; `[1, heads, n, head_dim]`."""
-    n = query.shape[2]
-    low = 0
-    if window is not None:
-        low = max(0, start - window + 1)
-        if align:
-            low -= low % _KEY_ALIGN
-        keys, values = keys[:, :, low:], values[:, :, low:]
-    gqa = query.shape[1] != keys.shape[1]
-    mask: torch.Tensor | None = None
-    causal = False
-    if n > 1 or (window is not None and start - low >= window):
-        if start == 0 and low == 0 and window is None:
-            causal = True
-        else:
-            pos = torch.arange(start, start + n, device=query.device).unsqueeze(1)
-            kpos = torch.arange(low, start + n, device=query.device).unsqueeze(0)
-            mask = kpos <= pos
-            if window is not None:
-                mask &= kpos > pos - window
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=gqa
-    )
+    outs = []
+    for s in pagedkv_plan.spans(window, query.device):
+        rows = slice(s.first, s.first + s.n)
+        torch.stack((key[0, :, rows], value[0, :, rows]), out=s.new[layer])
+        outs.append(sdpa(query[:, :, rows], s.keys[layer], s.values[layer], attn_mask=s.mask,
+                         is_causal=s.causal, scale=scaling, enable_gqa=gqa))  # fmt: skip
+    pad = query.shape[2] - pagedkv_plan.num_rows
+    if pad:
+        outs.append(query.new_zeros((1, query.shape[1], pad, query.shape[3])))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2), None
 
 
 AttentionInterface.register(ATTENTION_NAME, ragged_attention)
@@ -191,17 +221,18 @@ class DeterministicRows:
     are taken as stable (prefills of hundreds of rows are).
     """
 
-    def __init__(self, weights: Sequence[torch.Tensor], probe_rows: int = 32) -> None:
+    def __init__(self, layers: Sequence[torch.nn.Module], probe_rows: int = 32) -> None:
         self.probe_rows = probe_rows
         stable = set(range(1, probe_rows + 1))
         gen = torch.Generator().manual_seed(0)
-        for weight in weights:
+        for layer in layers:
+            weight = layer.weight
+            assert isinstance(weight, torch.Tensor)
             x = torch.randn(2 * probe_rows, weight.shape[1], generator=gen).to(weight.dtype)
             with torch.inference_mode():
-                want = torch.nn.functional.linear(x, weight)
+                want = layer(x)
                 for rows in list(stable):
-                    got = torch.nn.functional.linear(x[:rows], weight)
-                    if not torch.equal(got, want[:rows]):
+                    if not torch.equal(layer(x[:rows]), want[:rows]):
                         stable.discard(rows)
         self.stable = sorted(stable)
 
@@ -212,10 +243,10 @@ class DeterministicRows:
         return next((s for s in self.stable if s >= rows), self.probe_rows + 1)
 
 
-def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """One weight of each distinct shape among the model's linear layers."""
-    seen: dict[tuple[int, ...], torch.Tensor] = {}
+def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """One linear layer of each distinct weight shape in the model."""
+    seen: dict[tuple[int, ...], torch.nn.Module] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            seen.setdefault(tuple(module.weight.shape), module.weight)
+            seen.setdefault(tuple(module.weight.shape), module)
     return list(seen.values())

@@ -25,6 +25,7 @@ from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
 from pagedkv.model.fingerprint import config_identity, weights_digest
 from pagedkv.model.kinds import classify_layers, ragged_unsupported_reason
 from pagedkv.model.kv_layer import GrowableLayer
+from pagedkv.model.linear import tune_linears
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,13 @@ class ModelAdapter:
         self._identity: str | None = None
         self.unbatched_reason: str | None = self._use_ragged_attention(params)
         self.batched: bool = self.unbatched_reason is None
+        if self.batched:
+            flips = tune_linears(model)
+            logger.info(
+                "linear layers flipped for few rows: %d of %d shapes",
+                sum(flips.values()),
+                len(flips),
+            )
 
     # ---- identity -------------------------------------------------------
 
