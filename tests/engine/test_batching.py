@@ -231,3 +231,42 @@ def test_a_dead_worker_fails_everything_and_says_so(tiny_llama_dir: Path) -> Non
     with pytest.raises(EngineClosedError, match="worker died"):
         eng.generate([1, 2, 3], GREEDY)
     eng.close()
+
+
+def test_peak_memory_stays_within_the_budget(tmp_path: Path) -> None:
+    """A model whose KV is 64 KiB a token, a budget of 56 MiB of it and eight requests
+    that would want 250 MiB at once: the process's peak RSS grows by at most the
+    budget, the RAM tier and a 64 MiB margin for activations and the allocator."""
+    import psutil
+    from fixtures_models import make_tiny_model
+
+    model = make_tiny_model(
+        tmp_path / "wide", num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+        hidden_size=512, head_dim=256, intermediate_size=256,
+    )  # fmt: skip
+    ram = 16 * 2**20
+    budget = 56 * 2**20
+    config = CacheConfig(block_size=BS, ram_cache_bytes=ram, kv_budget_bytes=budget)
+    with Engine.from_pretrained(str(model), config=config) as eng:
+        assert eng.adapter.kv_bytes_per_token == 64 * 1024
+        process = psutil.Process()
+        base = process.memory_info().rss
+        peak = base
+        done = threading.Event()
+
+        def watch() -> None:
+            nonlocal peak
+            while not done.is_set():
+                peak = max(peak, process.memory_info().rss)
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        streams = [eng.stream(_prompt(100 + i, 100), params) for i in range(8)]
+        for s in streams:
+            assert sum(len(e.token_ids) for e in s) == 400
+        done.set()
+        watcher.join()
+        assert eng.cache_stats().scheduling.preemptions > 0  # type: ignore[union-attr]
+    assert peak - base <= budget + ram + 64 * 2**20, f"grew {(peak - base) / 2**20:.0f} MiB"

@@ -11,6 +11,8 @@ import hashlib
 import inspect
 import json
 import logging
+import math
+import mmap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -262,7 +264,9 @@ class ModelAdapter:
     def new_kv_buffer(self, capacity: int) -> torch.Tensor:
         """An empty KV buffer for one sequence, `[num_layers, 2, kv_heads, capacity, head_dim]`."""
         shape = (self.num_layers, 2, self.num_kv_heads, capacity, self.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.device.type != "cpu":
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return mapped_empty(shape, self.dtype)
 
     def forward_batch(
         self, chunks: list[SeqChunk], pad_rows: Callable[[int], int] | None = None
@@ -349,6 +353,17 @@ class ModelAdapter:
             f"layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"prefix_caching={'on' if self.prefix_caching_supported else 'off'})"
         )
+
+
+def mapped_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in its own anonymous memory map, unmapped when the
+    last view of it goes. Rejected: `torch.empty`, whose large blocks glibc moves
+    into its heap after the first few frees (its mmap threshold grows up to 32 MiB),
+    where a freed sequence's KV stays in the process's memory and the KV budget no
+    longer bounds what the process holds."""
+    count = math.prod(shape)
+    nbytes = max(1, count * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=count).view(shape)
 
 
 def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
