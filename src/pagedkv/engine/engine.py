@@ -140,8 +140,24 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.adapter.encode(text)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation; `tools` (OpenAI function definitions) are passed
+        to the template, which decides how the model sees them."""
+        if tools:
+            return self.adapter.apply_chat_template(list(messages), tools=list(tools))
         return self.adapter.apply_chat_template(list(messages))
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template source; None when it has none (or several)."""
+        template = getattr(self.adapter.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of `text` continuing a prompt: no BOS or other added tokens."""
+        return [int(t) for t in self.adapter.tokenizer.encode(text, add_special_tokens=False)]
 
     def generate(
         self,

@@ -14,6 +14,7 @@ open for orchestrators and scrapers (they show only aggregate counts).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -51,6 +52,9 @@ from pagedkv.server.protocol import (
     HealthResponse,
     ModelList,
 )
+from pagedkv.server.tools import ToolSupport, tool_support
+from pagedkv.server.tools.output import ToolMode
+from pagedkv.server.tools.request import template_tools, tool_mode
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,7 @@ class ServerState:
     keys: KeyRing
     metrics: ServerMetrics
     vocab_size: int | None
+    tools: ToolSupport
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False
     generations: set[Generation] = field(default_factory=set)
@@ -122,11 +127,14 @@ def create_app(
     admin_keys: Iterable[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine` (a `pagedkv.Engine`, or anything with its `EngineAPI`).
 
     `model_name` is the id clients see (default: the engine's); requests may
-    also name the engine's own name, or leave `model` out.
+    also name the engine's own name, or leave `model` out. `tool_call_parser`
+    names the tool-call format (`pagedkv.server.tools.PARSERS`) when the chat
+    template does not make it clear.
     """
     state = ServerState(
         engine=engine,
@@ -134,6 +142,7 @@ def create_app(
         keys=KeyRing(api_keys, admin_keys),
         metrics=ServerMetrics(engine.cache_stats, engine.num_active_requests),
         vocab_size=engine.vocab_size if engine.vocab_size > 0 else None,
+        tools=tool_support(engine.chat_template, tool_call_parser),
     )
     known_models = {state.model_name, engine.model_name}
     app = FastAPI(title="pagedkv", version="0.1.0", strict_content_type=False)
@@ -160,6 +169,7 @@ def create_app(
         ids: list[int],
         tenant: Tenant,
         arrived: float,
+        tools: ToolMode | None = None,
     ) -> Response:
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
@@ -178,6 +188,7 @@ def create_app(
             include_usage=include_usage,
             logprobs=logprobs,
             n=params.n,
+            tools=tools,
         )
 
         def open_stream() -> Iterator[StreamEvent]:
@@ -257,9 +268,18 @@ def create_app(
         arrived = time.perf_counter()
         check_open(body.model)
         check_supported(body)
+        ids, mode = await chat_prompt(body)
+        return await generate(request, body, ids, tenant, arrived, mode)
+
+    async def chat_prompt(body: ChatCompletionRequest) -> tuple[list[int], ToolMode | None]:
+        """The prompt's token ids (tools rendered by the template), and how to parse the reply."""
+        mode = tool_mode(body, state.tools)
         messages = chat_messages(body)
-        ids = await _blocking(engine.apply_chat_template, messages, what="the chat template")
-        return await generate(request, body, ids, tenant, arrived)
+        render = functools.partial(engine.apply_chat_template, tools=template_tools(body))
+        ids = await _blocking(render, messages, what="the chat template")
+        if mode is not None and mode.prefix:
+            ids += engine.encode_continuation(mode.prefix)
+        return ids, mode
 
     @app.get("/v1/cache/stats", responses=ERRORS)
     async def cache_stats(tenant: TenantDep) -> Response:
