@@ -186,3 +186,26 @@ def test_a_template_that_cannot_render_tools_is_a_clear_400() -> None:
     assert err.value.status_code == 400
     assert "does not render tools" in str(err.value)
     assert engine.calls == []  # refused before the engine
+
+
+def test_anthropic_tool_use_create_and_stream_through_the_sdk() -> None:
+    import anthropic
+
+    engine = FakeEngine(max_context=4096, reply="On it." + CALL)
+    http = TestClient(create_app(engine), raise_server_exceptions=False)
+    client = anthropic.Anthropic(
+        base_url="http://testserver", api_key="x", http_client=http, max_retries=0
+    )
+    tool: Any = {"name": "get_weather", "input_schema": {"type": "object"}}
+    kw: Any = {"model": "fake-model", "max_tokens": 200, "messages": USER, "tools": [tool]}
+    out = client.messages.create(**kw)
+    assert out.stop_reason == "tool_use"
+    assert [b.type for b in out.content] == ["text", "tool_use"]
+    use = out.content[1]
+    assert use.type == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+    assert use.id.startswith("toolu_")
+    with client.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert final.content[0].type == "text" and final.content[0].text == "On it."
+    assert final.content[1].type == "tool_use" and final.content[1].input == {"city": "Paris"}

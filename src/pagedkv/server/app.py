@@ -19,17 +19,19 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 from anyio import to_thread
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.engine.request import StreamEvent
-from pagedkv.server.auth import ANONYMOUS, KeyRing, Tenant
+from pagedkv.server.anthropic import MessagesContext, add_messages_routes
+from pagedkv.server.anthropic.errors import error_response, is_messages_path
+from pagedkv.server.auth import KeyRing, Tenant
+from pagedkv.server.authn import TenantDep
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.generation import Generation, Options
 from pagedkv.server.http_errors import APIError, bad_request, shutting_down
@@ -92,34 +94,6 @@ class ServerState:
         return len(self.generations)
 
 
-_bearer = HTTPBearer(auto_error=False, description="an API key, when the server has keys")
-
-
-async def authenticate(
-    request: Request,
-    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Tenant:
-    keys: KeyRing = request.app.state.pagedkv.keys
-    if not keys.enabled:
-        return ANONYMOUS
-    if creds is None:
-        raise APIError(
-            401,
-            "missing API key: send 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    tenant = keys.lookup(creds.credentials)
-    if tenant is None:
-        raise APIError(
-            401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-        )
-    return tenant
-
-
-TenantDep = Annotated[Tenant, Depends(authenticate)]
-
-
 def create_app(
     engine: EngineAPI,
     *,
@@ -171,6 +145,24 @@ def create_app(
         arrived: float,
         tools: ToolMode | None = None,
     ) -> Response:
+        gen = await start_generation(request, body, ids, tenant, arrived, tools)
+        if not body.stream:
+            return JSONResponse(await gen.response_body())
+        return StreamingResponse(
+            gen.sse(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def start_generation(
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        ids: list[int],
+        tenant: Tenant,
+        arrived: float,
+        tools: ToolMode | None = None,
+    ) -> Generation:
+        """Submit the request; returns once its first event (or its refusal) arrived."""
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         max_tokens = max_new_tokens(body, len(ids), engine.max_context, param)
@@ -204,13 +196,7 @@ def create_app(
         )
         state.generations.add(gen)
         await gen.start(request.receive)
-        if not stream:
-            return JSONResponse(await gen.response_body())
-        return StreamingResponse(
-            gen.sse(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return gen
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
     def health() -> Response:
@@ -295,6 +281,18 @@ def create_app(
         await to_thread.run_sync(engine.clear_cache)
         return JSONResponse({"cleared": True})
 
+    stats = engine.cache_stats()
+    add_messages_routes(
+        app,
+        MessagesContext(
+            model_name=state.model_name,
+            check_open=check_open,
+            chat_prompt=chat_prompt,
+            start_generation=start_generation,
+            decode=engine.decode,
+            block_size=stats.cache.block_size if stats.cache is not None else None,
+        ),
+    )
     _document_errors(app)
     return app
 
@@ -328,13 +326,18 @@ async def _blocking(fn: Any, arg: Any, *, what: str) -> list[int]:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    def render(request: Request, exc: APIError) -> Response:
+        if is_messages_path(request.url.path):
+            return error_response(exc)
+        return exc.response()
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        return exc.response()
+        return render(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return _validation_error(request, exc).response()
+        return render(request, _validation_error(request, exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -343,14 +346,15 @@ def _add_error_handlers(app: FastAPI) -> None:
             message = f"no route for {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
-        return APIError(exc.status_code, message, headers=exc.headers).response()
+        return render(request, APIError(exc.status_code, message, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(
+        error = APIError(
             500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
-        ).response()
+        )
+        return render(request, error)
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> APIError:

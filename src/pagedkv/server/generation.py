@@ -248,7 +248,8 @@ class Generation:
 
     # -- non-streaming ------------------------------------------------------
 
-    async def response_body(self) -> dict[str, Any]:
+    async def finish(self) -> list[GenerationResult]:
+        """Run the request to its end; every sample's result, by index."""
         try:
             async for _ in self._events():
                 pass
@@ -267,7 +268,15 @@ class Generation:
                 code="request_cancelled",
                 headers={"Retry-After": "1"},
             )
-        results = [self.results[i] for i in range(self.options.n)]
+        return [self.results[i] for i in range(self.options.n)]
+
+    def events(self) -> AsyncIterator[StreamEvent]:
+        """The request's events, the first included, until every sample finished; the
+        caller handles errors and calls `close()`."""
+        return self._events()
+
+    async def response_body(self) -> dict[str, Any]:
+        results = await self.finish()
         o = self.options
         body: dict[str, Any] = {
             "id": self.id,
