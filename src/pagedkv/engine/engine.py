@@ -15,6 +15,7 @@ from pagedkv.cache.hashing import ExtraKeys
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
 from pagedkv.config import CacheConfig, default_kv_budget_bytes
+from pagedkv.engine.explain import CacheExplanation, caching_off, describe
 from pagedkv.engine.request import GenerationResult, Request, RequestStream
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
@@ -247,6 +248,23 @@ class Engine:
             cache=self.prefix.stats() if self.prefix is not None else None,
             scheduling=scheduling,
         )
+
+    def explain(
+        self, prompt: str | Sequence[int], *, cache_salt: str | None = None
+    ) -> CacheExplanation:
+        """What a request for `prompt` with `cache_salt` would reuse if sent now, and the
+        cause of its first recomputed token. Hashes and looks up; never runs the model,
+        takes no block and changes no counter. Runs on the calling thread, not the
+        worker's (see `pagedkv.cache.explain` for why that is safe)."""
+        ids = (
+            self.tokenize(prompt)
+            if isinstance(prompt, str)
+            else _check_ids(prompt, self.vocab_size)
+        )
+        if self.prefix is None:
+            return caching_off(len(ids), self.caching_off_reason)
+        extra = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
+        return describe(self.prefix.explain(ids, extra), ids, self.decode)
 
     def clear_cache(self) -> None:
         """Forget this model's unreferenced cached blocks in every tier (other models'

@@ -272,6 +272,17 @@ def create_app(
         stats = await to_thread.run_sync(engine.cache_stats)
         return JSONResponse(stats_json(stats))
 
+    @app.post("/v1/cache/explain", responses=ERRORS)
+    async def cache_explain(body: ChatCompletionRequest, tenant: TenantDep) -> Response:
+        """What this chat request would reuse from the cache if sent now, and why not more.
+        Hashes and looks up the prompt the request would have (tools included); never
+        generates. Another key's prompts are invisible: for them the answer is "new"."""
+        check_open(body.model)
+        ids, _ = await chat_prompt(body)
+        salt = tenant.cache_salt(body.cache_salt)
+        answer = await to_thread.run_sync(functools.partial(engine.explain, ids, cache_salt=salt))
+        return JSONResponse(answer.to_json())
+
     @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})
     async def cache_clear(tenant: TenantDep) -> Response:
         if not tenant.is_admin:

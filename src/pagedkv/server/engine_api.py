@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+from pagedkv.engine.explain import CacheExplanation
 from pagedkv.engine.request import StreamEvent
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.stats import EngineStats
@@ -51,5 +52,9 @@ class EngineAPI(Protocol):
     def cache_stats(self) -> EngineStats: ...
 
     def clear_cache(self) -> None: ...
+
+    def explain(
+        self, prompt: str | Sequence[int], *, cache_salt: str | None = None
+    ) -> CacheExplanation: ...
 
     def close(self, timeout: float = 20.0) -> None: ...
