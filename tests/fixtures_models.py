@@ -26,6 +26,7 @@ import pytest
 
 __all__ = [
     "TINY_CHAT_TEMPLATE",
+    "TOOLS_CHAT_TEMPLATE",
     "make_tiny_model",
     "make_tiny_tokenizer",
     "tiny_llama_dir",
@@ -40,6 +41,22 @@ TINY_CHAT_TEMPLATE = (
     "{{ bos_token if bos_token and add_bos else '' }}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A Hermes-style template written for the tests: tool definitions in the system turn,
+# earlier calls as <tool_call> elements, tool results as their own turns.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    'Call a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls', []) %}"
+    "{{ '<tool_call>' + (call['function'] | tojson) + '</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -81,7 +98,7 @@ def _tokenizer_json() -> str:
     return str(tok.to_str())
 
 
-def make_tiny_tokenizer(add_bos: bool = False) -> Any:
+def make_tiny_tokenizer(add_bos: bool = False, chat_template: str | None = None) -> Any:
     """A PreTrainedTokenizerFast over a byte-level BPE (any text encodes, nothing is UNK).
 
     `add_bos=True` makes plain-text encoding start with `<|endoftext|>` as BOS,
@@ -100,7 +117,9 @@ def make_tiny_tokenizer(add_bos: bool = False) -> Any:
         )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    template = TINY_CHAT_TEMPLATE.replace("add_bos", "true" if add_bos else "false")
+    template = (chat_template or TINY_CHAT_TEMPLATE).replace(
+        "add_bos", "true" if add_bos else "false"
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=bos,
@@ -170,7 +189,13 @@ def _scale_init(model: Any, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
-def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+def make_tiny_model(
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    chat_template: str | None = None,
+    **overrides: Any,
+) -> Path:
     """Write a tiny random model with tokenizer to `path` and return it.
 
     `overrides` go into the transformers config (e.g. `num_hidden_layers=3`,
@@ -182,7 +207,7 @@ def make_tiny_model(path: str | Path, arch: str = "llama", seed: int = 0, **over
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = make_tiny_tokenizer(add_bos=(arch == "llama"))
+    tokenizer = make_tiny_tokenizer(add_bos=(arch == "llama"), chat_template=chat_template)
     bos = tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS[0])
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config = _config(arch, len(tokenizer), bos, eos, **overrides)

@@ -81,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_keys=keys,
         admin_keys=args.admin_key or None,
         log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -147,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[k for k in str(env("--admin-key", "")).split(",") if k],
         help="a key that may also clear the cache (repeatable; default: every key)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=env("--tool-call-parser"),
+        help="the model's tool-call format (default: guessed from its chat template)",
     )
     serve.add_argument(
         "--max-queue",

@@ -9,6 +9,7 @@ without a model.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -26,7 +27,14 @@ from pagedkv.storage.base import TierStats
 EOS = 300
 
 
+# A template that renders tools in the Hermes format, as far as the server can tell.
+HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}<tool_call>"
+
+
 class FakeEngine:
+    """`reply`, when given, is the text every request generates (then eos), so the
+    app's parsing of a model's reply (tool calls) can be driven exactly."""
+
     model_name = "fake-model"
     vocab_size = 301
 
@@ -38,7 +46,11 @@ class FakeEngine:
         token_delay: float = 0.0,
         block_size: int = 4,
         eos_after: int | None = None,
+        reply: str | None = None,
+        chat_template: str | None = HERMES_TEMPLATE,
     ) -> None:
+        self.reply = reply
+        self.chat_template = chat_template
         self.max_context = max_context
         self.max_queue = max_queue
         self.token_delay = token_delay
@@ -61,8 +73,18 @@ class FakeEngine:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(t - 1 for t in ids if 0 < t <= 256).decode(errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+    def encode_continuation(self, text: str) -> list[int]:
+        return self.tokenize(text)
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        text = "".join(f"<tools>{json.dumps(list(tools))}\n" if tools else "")
+        for m in messages:
+            text += f"<{m['role']}>{m['content']}"
+            for call in m.get("tool_calls", ()):
+                text += f"<call>{json.dumps(call['function'])}"
+            text += "\n"
         return self.tokenize(text + "<assistant>")
 
     # -- generation ---------------------------------------------------------
@@ -127,12 +149,17 @@ class FakeEngine:
                 if self.eos_after is not None and i == self.eos_after:
                     reason = "stop"
                     break
-                letter = rng.randrange(26) if rng else (sum(ids) + i) % 26
-                token = ord("a") + letter + 1
+                if self.reply is not None and i == len(self.reply):
+                    reason = "stop"
+                    break
+                if self.reply is not None:
+                    piece = self.reply[i]
+                else:
+                    piece = chr(ord("a") + (rng.randrange(26) if rng else (sum(ids) + i) % 26))
+                token = ord(piece) + 1
                 out.append(token)
                 if i == 0:
                     ttft = time.perf_counter() - start
-                piece = chr(ord("a") + letter)
                 text += piece
                 hit = next((s for s in params.stop if s in text), None)
                 if hit is not None:

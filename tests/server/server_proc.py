@@ -100,6 +100,15 @@ def server_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a Hermes-style chat template that renders tools."""
+    from fixtures_models import TOOLS_CHAT_TEMPLATE, make_tiny_model
+
+    path = tmp_path_factory.mktemp("server-model-tools") / "tiny"
+    return make_tiny_model(path, arch="llama", chat_template=TOOLS_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
 def small_context_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same tiny Llama with a 64-token context, so no request runs long (fuzzing)."""
     return make_server_model(tmp_path_factory.mktemp("server-model-64") / "tiny", 64)

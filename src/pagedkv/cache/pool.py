@@ -6,7 +6,7 @@ Metadata only; the tensors live in the storage tiers, indexed by block id.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,6 +95,9 @@ class BlockPool:
     ``acquire``, ``free`` and ``make_writable`` change the eviction order.
 
     Thread-safe: one lock around every public method; hashing runs outside it.
+    ``on_evict(block, reason)``, when set, hears of every cached block about to
+    lose its data ("capacity" or "clear"), under the lock: it must be cheap and
+    must not call back into the pool.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class BlockPool:
         self._allocated = self._shared = 0
         self._query_tokens = self._hit_tokens = 0
         self._evictions = self._cow_copies = 0
+        self.on_evict: Callable[[Block, str], None] | None = None
 
     # -- cheap accessors -------------------------------------------------------
 
@@ -236,6 +240,8 @@ class BlockPool:
             out.extend(new)
         for _ in range(n - len(out)):
             block = self._lru.popleft()
+            if self.on_evict is not None:
+                self.on_evict(block, "capacity")
             self._uncache(block)
             self._evictions += 1
             out.append(block)
@@ -258,6 +264,8 @@ class BlockPool:
             count = self._lru.size
             while self._lru.size:
                 block = self._lru.popleft()
+                if self.on_evict is not None:
+                    self.on_evict(block, "clear")
                 self._uncache(block)
                 self._empty.append(block)
             self._evictions += count
@@ -290,20 +298,7 @@ class BlockPool:
             self._query_tokens += chain.num_tokens
             if not self.enable_caching:
                 return PrefixMatch([], 0, [], chain)
-            blocks: list[Block] = []
-            prev_serial = 0
-            cached = self._cached
-            for i, h in enumerate(chain.hashes):
-                block = cached.get(h)
-                if (
-                    block is None
-                    or block.serial <= prev_serial
-                    or block.parent_key != keys[i]
-                    or block.token_ids != buf[i * size : (i + 1) * size]
-                ):
-                    break
-                blocks.append(block)
-                prev_serial = block.serial
+            blocks, prev_serial = self._full_run(chain)
             k = len(blocks)
             num_tokens = k * bs
             child, common = self._best_child(keys[k], buf[k * size : (k + 1) * size], prev_serial)
@@ -314,6 +309,39 @@ class BlockPool:
             if acquire:
                 self._acquire(blocks)
             return PrefixMatch(blocks, num_tokens, chain.hashes[:k], chain)
+
+    def _full_run(self, chain: HashChain) -> tuple[list[Block], int]:
+        """The cached full blocks of `chain` from its start, and the last one's serial."""
+        size, buf, keys = 4 * self.block_size, chain.token_bytes, chain.parent_keys
+        blocks: list[Block] = []
+        prev_serial = 0
+        cached = self._cached
+        for i, h in enumerate(chain.hashes):
+            block = cached.get(h)
+            if (
+                block is None
+                or block.serial <= prev_serial
+                or block.parent_key != keys[i]
+                or block.token_ids != buf[i * size : (i + 1) * size]
+            ):
+                break
+            blocks.append(block)
+            prev_serial = block.serial
+        return blocks, prev_serial
+
+    def peek_full_blocks(self, chain: HashChain) -> int:
+        """How many full blocks of `chain` `match_prefix` would find: no references, no
+        counters, the eviction order untouched (for explaining a lookup)."""
+        with self._lock:
+            if not self.enable_caching:
+                return 0
+            return len(self._full_run(chain)[0])
+
+    def peek_children(self, parent_key: bytes) -> list[bytes]:
+        """The token ids (int32-LE) of every cached child of `parent_key`, copied under
+        the lock: the blocks may be reused by another thread once this returns."""
+        with self._lock:
+            return [b.token_ids for b in self._children.get(parent_key, {}).values() if b.token_ids]
 
     def _best_child(self, key: bytes, tail: bytes, prev_serial: int) -> tuple[Block | None, int]:
         """The child of ``key`` sharing the most leading tokens with ``tail``."""

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from pagedkv.cache.block import Block
-from pagedkv.cache.hashing import BlockHasher, ExtraKeys, TokenIds
+from pagedkv.cache.explain import PrefixExplanation, explain_lookup
+from pagedkv.cache.hashing import BlockHasher, ExtraKeys, HashChain, TokenIds
+from pagedkv.cache.history import CacheHistory
 from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
 from pagedkv.cache.ram import RamBlockStore
 from pagedkv.cache.tiers import Found, LowerTiers
@@ -57,6 +59,21 @@ class PrefixCache:
         self.block_size = pool.block_size
         self.ram_hit_blocks = 0
         self.alloc_failures = 0
+        self.history = CacheHistory()
+        pool.on_evict = self._evicted
+
+    def _evicted(self, block: Block, reason: str) -> None:
+        if block.parent_key is not None and block.token_ids is not None:
+            self.history.record(block.parent_key, block.token_ids, "ram", reason)
+
+    def explain(
+        self, tokens: TokenIds, extra: ExtraKeys | None = None, chain: HashChain | None = None
+    ) -> PrefixExplanation:
+        """What a request for `tokens` would reuse now, and why not more; read-only and
+        safe on any thread (see `cache.explain`)."""
+        if chain is None:
+            chain = self.hasher.chain(tokens, extra)
+        return explain_lookup(self.pool, self.lower, self.history, chain)
 
     def begin(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> RequestCache:
         """The handle of one request whose prompt is `tokens`; hashes the prompt."""
@@ -123,6 +140,7 @@ class PrefixCache:
         dropped = self.pool.evict_all()
         for tier in self.lower.tiers:
             tier.clear(self.namespace)
+        self.history.cleared()
         return dropped
 
     def close(self, timeout: float) -> None:

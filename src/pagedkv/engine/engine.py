@@ -15,6 +15,7 @@ from pagedkv.cache.hashing import ExtraKeys
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
 from pagedkv.config import CacheConfig, default_kv_budget_bytes
+from pagedkv.engine.explain import CacheExplanation, caching_off, describe
 from pagedkv.engine.request import GenerationResult, Request, RequestStream
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
@@ -140,8 +141,24 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         return self.adapter.encode(text)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a conversation; `tools` (OpenAI function definitions) are passed
+        to the template, which decides how the model sees them."""
+        if tools:
+            return self.adapter.apply_chat_template(list(messages), tools=list(tools))
         return self.adapter.apply_chat_template(list(messages))
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template source; None when it has none (or several)."""
+        template = getattr(self.adapter.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Token ids of `text` continuing a prompt: no BOS or other added tokens."""
+        return [int(t) for t in self.adapter.tokenizer.encode(text, add_special_tokens=False)]
 
     def generate(
         self,
@@ -231,6 +248,23 @@ class Engine:
             cache=self.prefix.stats() if self.prefix is not None else None,
             scheduling=scheduling,
         )
+
+    def explain(
+        self, prompt: str | Sequence[int], *, cache_salt: str | None = None
+    ) -> CacheExplanation:
+        """What a request for `prompt` with `cache_salt` would reuse if sent now, and the
+        cause of its first recomputed token. Hashes and looks up; never runs the model,
+        takes no block and changes no counter. Runs on the calling thread, not the
+        worker's (see `pagedkv.cache.explain` for why that is safe)."""
+        ids = (
+            self.tokenize(prompt)
+            if isinstance(prompt, str)
+            else _check_ids(prompt, self.vocab_size)
+        )
+        if self.prefix is None:
+            return caching_off(len(ids), self.caching_off_reason)
+        extra = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
+        return describe(self.prefix.explain(ids, extra), ids, self.decode)
 
     def clear_cache(self) -> None:
         """Forget this model's unreferenced cached blocks in every tier (other models'

@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
+from pagedkv.cache.hashing import HashChain
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.engine.detokenize import Detokenizer
+from pagedkv.engine.explain import describe
 from pagedkv.engine.request import Request, StreamEvent
 from pagedkv.engine.sampling import Sampler
 from pagedkv.engine.scheduler import Scheduler
@@ -146,6 +148,8 @@ class Worker:
         if prefix is not None and out is not None:
             try:
                 seq.handle = prefix.begin(seq.tokens, seq.request.extra)
+                if not seq.admitted and log.isEnabledFor(logging.DEBUG):
+                    self._log_lookup(seq.tokens, seq.handle.chain)
                 restored = seq.handle.restore_into(out, len(seq.tokens) - 1)
             except Exception:
                 log.warning("prefix lookup failed; recomputing the prompt", exc_info=True)
@@ -160,6 +164,21 @@ class Worker:
             seq.cached_tokens = restored
             seq.tier_hits = dict(seq.handle.tier_hits) if seq.handle is not None else {}
             seq.admitted = True
+
+    def _log_lookup(self, tokens: list[int], chain: HashChain) -> None:
+        """The attribution `POST /v1/cache/explain` would give, for this request."""
+        assert self.prefix is not None
+        exp = describe(self.prefix.explain(tokens, chain=chain), tokens, self.adapter.decode)
+        miss = exp.miss
+        log.debug(
+            "prefix lookup: %d of %d prompt tokens cached %s; %s",
+            exp.cached_tokens,
+            exp.prompt_tokens,
+            exp.tiers,
+            "no miss"
+            if miss is None
+            else f"miss at {miss.token_index}: {miss.reason}, {miss.detail}",
+        )
 
     def _make_room(self) -> None:
         """Grow the buffers of sequences about to outgrow them, preempting the newest

@@ -14,21 +14,24 @@ open for orchestrators and scrapers (they show only aggregate counts).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 from anyio import to_thread
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.engine.request import StreamEvent
-from pagedkv.server.auth import ANONYMOUS, KeyRing, Tenant
+from pagedkv.server.anthropic import MessagesContext, add_messages_routes
+from pagedkv.server.anthropic.errors import error_response, is_messages_path
+from pagedkv.server.auth import KeyRing, Tenant
+from pagedkv.server.authn import TenantDep
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.generation import Generation, Options
 from pagedkv.server.http_errors import APIError, bad_request, shutting_down
@@ -51,6 +54,9 @@ from pagedkv.server.protocol import (
     HealthResponse,
     ModelList,
 )
+from pagedkv.server.tools import ToolSupport, tool_support
+from pagedkv.server.tools.output import ToolMode
+from pagedkv.server.tools.request import template_tools, tool_mode
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,7 @@ class ServerState:
     keys: KeyRing
     metrics: ServerMetrics
     vocab_size: int | None
+    tools: ToolSupport
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False
     generations: set[Generation] = field(default_factory=set)
@@ -87,34 +94,6 @@ class ServerState:
         return len(self.generations)
 
 
-_bearer = HTTPBearer(auto_error=False, description="an API key, when the server has keys")
-
-
-async def authenticate(
-    request: Request,
-    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Tenant:
-    keys: KeyRing = request.app.state.pagedkv.keys
-    if not keys.enabled:
-        return ANONYMOUS
-    if creds is None:
-        raise APIError(
-            401,
-            "missing API key: send 'Authorization: Bearer <key>'",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    tenant = keys.lookup(creds.credentials)
-    if tenant is None:
-        raise APIError(
-            401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-        )
-    return tenant
-
-
-TenantDep = Annotated[Tenant, Depends(authenticate)]
-
-
 def create_app(
     engine: EngineAPI,
     *,
@@ -122,11 +101,14 @@ def create_app(
     admin_keys: Iterable[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine` (a `pagedkv.Engine`, or anything with its `EngineAPI`).
 
     `model_name` is the id clients see (default: the engine's); requests may
-    also name the engine's own name, or leave `model` out.
+    also name the engine's own name, or leave `model` out. `tool_call_parser`
+    names the tool-call format (`pagedkv.server.tools.PARSERS`) when the chat
+    template does not make it clear.
     """
     state = ServerState(
         engine=engine,
@@ -134,6 +116,7 @@ def create_app(
         keys=KeyRing(api_keys, admin_keys),
         metrics=ServerMetrics(engine.cache_stats, engine.num_active_requests),
         vocab_size=engine.vocab_size if engine.vocab_size > 0 else None,
+        tools=tool_support(engine.chat_template, tool_call_parser),
     )
     known_models = {state.model_name, engine.model_name}
     app = FastAPI(title="pagedkv", version="0.1.0", strict_content_type=False)
@@ -160,7 +143,26 @@ def create_app(
         ids: list[int],
         tenant: Tenant,
         arrived: float,
+        tools: ToolMode | None = None,
     ) -> Response:
+        gen = await start_generation(request, body, ids, tenant, arrived, tools)
+        if not body.stream:
+            return JSONResponse(await gen.response_body())
+        return StreamingResponse(
+            gen.sse(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def start_generation(
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        ids: list[int],
+        tenant: Tenant,
+        arrived: float,
+        tools: ToolMode | None = None,
+    ) -> Generation:
+        """Submit the request; returns once its first event (or its refusal) arrived."""
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         max_tokens = max_new_tokens(body, len(ids), engine.max_context, param)
@@ -178,6 +180,7 @@ def create_app(
             include_usage=include_usage,
             logprobs=logprobs,
             n=params.n,
+            tools=tools,
         )
 
         def open_stream() -> Iterator[StreamEvent]:
@@ -193,13 +196,7 @@ def create_app(
         )
         state.generations.add(gen)
         await gen.start(request.receive)
-        if not stream:
-            return JSONResponse(await gen.response_body())
-        return StreamingResponse(
-            gen.sse(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return gen
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
     def health() -> Response:
@@ -257,14 +254,34 @@ def create_app(
         arrived = time.perf_counter()
         check_open(body.model)
         check_supported(body)
+        ids, mode = await chat_prompt(body)
+        return await generate(request, body, ids, tenant, arrived, mode)
+
+    async def chat_prompt(body: ChatCompletionRequest) -> tuple[list[int], ToolMode | None]:
+        """The prompt's token ids (tools rendered by the template), and how to parse the reply."""
+        mode = tool_mode(body, state.tools)
         messages = chat_messages(body)
-        ids = await _blocking(engine.apply_chat_template, messages, what="the chat template")
-        return await generate(request, body, ids, tenant, arrived)
+        render = functools.partial(engine.apply_chat_template, tools=template_tools(body))
+        ids = await _blocking(render, messages, what="the chat template")
+        if mode is not None and mode.prefix:
+            ids += engine.encode_continuation(mode.prefix)
+        return ids, mode
 
     @app.get("/v1/cache/stats", responses=ERRORS)
     async def cache_stats(tenant: TenantDep) -> Response:
         stats = await to_thread.run_sync(engine.cache_stats)
         return JSONResponse(stats_json(stats))
+
+    @app.post("/v1/cache/explain", responses=ERRORS)
+    async def cache_explain(body: ChatCompletionRequest, tenant: TenantDep) -> Response:
+        """What this chat request would reuse from the cache if sent now, and why not more.
+        Hashes and looks up the prompt the request would have (tools included); never
+        generates. Another key's prompts are invisible: for them the answer is "new"."""
+        check_open(body.model)
+        ids, _ = await chat_prompt(body)
+        salt = tenant.cache_salt(body.cache_salt)
+        answer = await to_thread.run_sync(functools.partial(engine.explain, ids, cache_salt=salt))
+        return JSONResponse(answer.to_json())
 
     @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})
     async def cache_clear(tenant: TenantDep) -> Response:
@@ -275,6 +292,18 @@ def create_app(
         await to_thread.run_sync(engine.clear_cache)
         return JSONResponse({"cleared": True})
 
+    stats = engine.cache_stats()
+    add_messages_routes(
+        app,
+        MessagesContext(
+            model_name=state.model_name,
+            check_open=check_open,
+            chat_prompt=chat_prompt,
+            start_generation=start_generation,
+            decode=engine.decode,
+            block_size=stats.cache.block_size if stats.cache is not None else None,
+        ),
+    )
     _document_errors(app)
     return app
 
@@ -308,13 +337,18 @@ async def _blocking(fn: Any, arg: Any, *, what: str) -> list[int]:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    def render(request: Request, exc: APIError) -> Response:
+        if is_messages_path(request.url.path):
+            return error_response(exc)
+        return exc.response()
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        return exc.response()
+        return render(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return _validation_error(request, exc).response()
+        return render(request, _validation_error(request, exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -323,14 +357,15 @@ def _add_error_handlers(app: FastAPI) -> None:
             message = f"no route for {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
-        return APIError(exc.status_code, message, headers=exc.headers).response()
+        return render(request, APIError(exc.status_code, message, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(
+        error = APIError(
             500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
-        ).response()
+        )
+        return render(request, error)
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> APIError:

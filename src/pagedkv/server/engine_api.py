@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+from pagedkv.engine.explain import CacheExplanation
 from pagedkv.engine.request import StreamEvent
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.stats import EngineStats
@@ -27,7 +28,16 @@ class EngineAPI(Protocol):
 
     def tokenize(self, text: str) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]: ...
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+    def encode_continuation(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]: ...
 
     def stream(
         self,
@@ -42,5 +52,9 @@ class EngineAPI(Protocol):
     def cache_stats(self) -> EngineStats: ...
 
     def clear_cache(self) -> None: ...
+
+    def explain(
+        self, prompt: str | Sequence[int], *, cache_salt: str | None = None
+    ) -> CacheExplanation: ...
 
     def close(self, timeout: float = 20.0) -> None: ...

@@ -18,6 +18,7 @@ from starlette.types import Receive
 from pagedkv.engine.request import GenerationResult, StreamEvent
 from pagedkv.server.http_errors import APIError, from_engine_error
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.tools.output import ToolMode, ToolStream, tool_call_deltas, tool_calls_json
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class Options:
     include_usage: bool
     logprobs: bool
     n: int = 1
+    tools: ToolMode | None = None  # chat only: parse tool calls out of the reply
 
 
 class Generation:
@@ -246,7 +248,8 @@ class Generation:
 
     # -- non-streaming ------------------------------------------------------
 
-    async def response_body(self) -> dict[str, Any]:
+    async def finish(self) -> list[GenerationResult]:
+        """Run the request to its end; every sample's result, by index."""
         try:
             async for _ in self._events():
                 pass
@@ -265,7 +268,15 @@ class Generation:
                 code="request_cancelled",
                 headers={"Retry-After": "1"},
             )
-        results = [self.results[i] for i in range(self.options.n)]
+        return [self.results[i] for i in range(self.options.n)]
+
+    def events(self) -> AsyncIterator[StreamEvent]:
+        """The request's events, the first included, until every sample finished; the
+        caller handles errors and calls `close()`."""
+        return self._events()
+
+    async def response_body(self) -> dict[str, Any]:
+        results = await self.finish()
         o = self.options
         body: dict[str, Any] = {
             "id": self.id,
@@ -277,11 +288,12 @@ class Generation:
         choices: list[dict[str, Any]] = []
         for i, r in enumerate(results):
             if o.kind == "chat":
+                message, finish = chat_message(r, o.tools)
                 choices.append(
                     {
                         "index": i,
-                        "finish_reason": _finish_reason(r),
-                        "message": {"role": "assistant", "content": r.text},
+                        "finish_reason": finish,
+                        "message": message,
                         "logprobs": self._chat_logprobs(i, 0),
                     }
                 )
@@ -308,19 +320,28 @@ class Generation:
                     yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
             sent_tokens = [0] * o.n
             text_offset = [0] * o.n
+            held = [ToolStream(o.tools) for _ in range(o.n)] if o.tools else None
             async for event in self._events():
                 i = event.index
-                if event.text or (o.logprobs and event.token_ids):
+                text = held[i].feed(event.text) if held else event.text
+                if text or (o.logprobs and event.token_ids):
                     if o.kind == "chat":
                         lp = self._chat_logprobs(i, sent_tokens[i])
-                        yield self._chunk(i, {"content": event.text}, None, lp)
+                        yield self._chunk(i, {"content": text}, None, lp)
                     else:
                         lp = self._completion_logprobs(i, sent_tokens[i], text_offset[i])
-                        yield self._chunk(i, event.text, None, lp)
+                        yield self._chunk(i, text, None, lp)
                     sent_tokens[i] = len(self.token_texts[i])
-                    text_offset[i] += len(event.text)
+                    text_offset[i] += len(text)
                 if event.finished and event.result is not None:
                     finish = _finish_reason(event.result)
+                    if held:
+                        parsed = held[i].finish()
+                        if parsed.content:
+                            yield self._chunk(i, {"content": parsed.content}, None, None)
+                        for delta in tool_call_deltas(parsed.tool_calls):
+                            yield self._chunk(i, {"tool_calls": delta}, None, None)
+                        finish = "tool_calls" if parsed.tool_calls else finish
                     yield self._chunk(i, {} if o.kind == "chat" else "", finish, None)
             if not self.done:
                 raise APIError(
@@ -355,7 +376,7 @@ class Generation:
             head["usage"] = None
         return head
 
-    def _chunk(self, index: int, delta: dict[str, str] | str, finish: str | None, lp: Any) -> bytes:
+    def _chunk(self, index: int, delta: dict[str, Any] | str, finish: str | None, lp: Any) -> bytes:
         if isinstance(delta, dict):
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
@@ -399,6 +420,18 @@ def usage(results: list[GenerationResult]) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": results[0].cached_tokens},
     }
+
+
+def chat_message(result: GenerationResult, tools: ToolMode | None) -> tuple[dict[str, Any], str]:
+    """A choice's message and finish reason; with tools, the calls parsed out of it."""
+    if tools is None:
+        return {"role": "assistant", "content": result.text}, _finish_reason(result)
+    parsed = tools.parse(result.text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if not parsed.tool_calls:
+        return message, _finish_reason(result)
+    message["tool_calls"] = tool_calls_json(parsed.tool_calls)
+    return message, "tool_calls"
 
 
 def _finish_reason(result: GenerationResult) -> str:

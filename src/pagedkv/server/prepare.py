@@ -7,10 +7,12 @@ the app does the blocking parts (tokenizing, the chat template) on a thread.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.server.http_errors import APIError, bad_request
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from pagedkv.server.tools.request import history_tool_calls
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; clients wanting greedy send 0
 # top_p below this is greedy. OpenAI clients send 0 for "most likely token only", and the
@@ -43,8 +45,6 @@ def check_supported(body: _SamplingRequest) -> None:
                 "top_logprobs > 0 is not supported: only the sampled token's logprob is available",
                 "top_logprobs",
             )
-        if body.tools:
-            raise bad_request("tools (function calling) are not supported", "tools")
         kind = (body.response_format or {}).get("type", "text")
         if kind != "text":
             raise bad_request(
@@ -75,13 +75,15 @@ def completion_prompt(body: CompletionRequest) -> str | list[int]:
     raise bad_request("the prompt must be a string or a list of token ids", "prompt")
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: role and plain-text content."""
-    out = []
+def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: role and plain-text content, plus an
+    assistant turn's `tool_calls` and a tool result's `tool_call_id`."""
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(body.messages):
-        if msg.role in ("tool", "function"):
+        if msg.role == "function":
             raise bad_request(
-                f"messages[{i}]: role {msg.role!r} is not supported (no tool calling)",
+                f"messages[{i}]: role 'function' is the deprecated form; send the result "
+                "as role 'tool' with its tool_call_id",
                 f"messages[{i}].role",
             )
         content = msg.content
@@ -107,7 +109,17 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, str]]:
                 )
             content = ""
         role = "system" if msg.role == "developer" else msg.role
-        out.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        if msg.tool_calls:
+            if msg.role != "assistant":
+                raise bad_request(
+                    f"messages[{i}]: only assistant messages carry tool_calls",
+                    f"messages[{i}].tool_calls",
+                )
+            entry["tool_calls"] = history_tool_calls(msg.tool_calls, f"messages[{i}].tool_calls")
+        if msg.role == "tool" and msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
+        out.append(entry)
     return out
 
 

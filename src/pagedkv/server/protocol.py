@@ -3,7 +3,7 @@
 Requests are validated strictly (no "5" for 5, no 1.5 for an int) and unknown
 fields are ignored, as most OpenAI-compatible servers do, so clients that send
 newer fields keep working. Fields this server cannot honour (penalties,
-tools, image parts, top alternatives for logprobs) are parsed and refused by
+image parts, top alternatives for logprobs) are parsed and refused by
 the app with a 400 that names the field and says why, rather than silently
 dropped; the OpenAPI schema documents only the values that are served.
 """
@@ -87,14 +87,50 @@ class TextPart(_Request):
     text: Text | None = None
 
 
+class FunctionCall(_Request):
+    name: Text = Field(min_length=1)
+    arguments: Text = Field(description="the JSON text of an object")
+
+
+class ToolCallIn(_Request):
+    """A call an earlier assistant turn made, sent back as history."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    model_config = ConfigDict(json_schema_extra={"required": ["role", "content"]})
+    model_config = ConfigDict(json_schema_extra={"required": ["role"]})
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"] = Field(
-        json_schema_extra={"enum": ["system", "developer", "user", "assistant"]}
+        json_schema_extra={"enum": ["system", "developer", "user", "assistant", "tool"]}
     )
     content: Text | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
+
+
+class FunctionDef(_Request):
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: Text = Field(min_length=1)
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -102,7 +138,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, json_schema_extra=_ONLY(0))
-    tools: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
+    tools: list[ToolDef] | None = Field(None, max_length=512)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = Field(
         None,
         json_schema_extra={"properties": {"type": {"enum": ["text"]}}},
@@ -182,9 +220,21 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -207,6 +257,7 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(BaseModel):

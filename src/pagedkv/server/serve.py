@@ -38,6 +38,7 @@ def run_server(
     admin_keys: Iterable[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str | None = None,
+    tool_call_parser: str | None = None,
     log_level: str = "info",
     access_log: bool = True,
     drain_timeout: float = 5.0,
@@ -65,6 +66,7 @@ def run_server(
             admin_keys=admin_keys,
             max_body_bytes=max_body_bytes,
             model_name=model_name,
+            tool_call_parser=tool_call_parser,
         )
         state: ServerState = app.state.pagedkv
         sock = _bind(host, port)

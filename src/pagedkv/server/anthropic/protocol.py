@@ -1,0 +1,71 @@
+"""Anthropic Messages wire format: the request models.
+
+Strict like the OpenAI models (no "5" for 5) and unknown fields ignored, so
+newer clients keep working. Content blocks share one permissive model: the
+converter checks each block's fields by its `type` and names the block that is
+wrong, which a discriminated union would report less clearly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from pagedkv.server.protocol import StopText, Text, _Request
+
+
+class ContentBlock(_Request):
+    type: str = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result"]})
+    text: Text | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: Text | list[ContentBlock] | None = None
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = Field(
+        None, description="accepted and ignored: every prefix is cached anyway"
+    )
+
+
+class MessageParam(_Request):
+    role: Literal["user", "assistant"]
+    content: Text | list[ContentBlock]
+
+
+class AnthropicTool(_Request):
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    cache_control: dict[str, Any] | None = None
+
+
+class AnthropicToolChoice(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class CountTokensRequest(_Request):
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: Text | list[ContentBlock] | None = None
+    tools: list[AnthropicTool] | None = Field(None, max_length=512)
+    tool_choice: AnthropicToolChoice | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    stop_sequences: list[StopText] | None = Field(None, max_length=16)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    cache_salt: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="extension; isolates this request's cached prefixes further",
+    )

@@ -1,0 +1,70 @@
+"""`POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+The routes borrow the OpenAI app's machinery through `MessagesContext` (the
+model check, the chat prompt with tools, starting a generation), so both APIs
+validate, render and cache a conversation the same way. Errors under
+/v1/messages are rendered in Anthropic's shape by the app's error handlers
+(`errors.is_messages_path`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedkv.server.anthropic.convert import to_chat_request
+from pagedkv.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedkv.server.anthropic.render import AnthropicReply, ReplyOptions
+from pagedkv.server.authn import TenantDep
+from pagedkv.server.generation import Generation
+from pagedkv.server.protocol import ChatCompletionRequest
+from pagedkv.server.tools.output import ToolMode
+
+ChatPrompt = Callable[[ChatCompletionRequest], Awaitable[tuple[list[int], ToolMode | None]]]
+StartGeneration = Callable[..., Awaitable[Generation]]
+
+
+@dataclass(frozen=True)
+class MessagesContext:
+    model_name: str
+    check_open: Callable[[str | None], None]
+    chat_prompt: ChatPrompt
+    start_generation: StartGeneration  # (request, body, ids, tenant, arrived, tools)
+    decode: Callable[[Sequence[int]], str]
+    block_size: int | None
+
+
+def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
+    @app.post("/v1/messages", tags=["anthropic"])
+    async def messages(request: Request, body: MessagesRequest, tenant: TenantDep) -> Response:
+        arrived = time.perf_counter()
+        ctx.check_open(body.model)
+        chat = to_chat_request(body)
+        ids, mode = await ctx.chat_prompt(chat)
+        gen = await ctx.start_generation(request, chat, ids, tenant, arrived, mode)
+        options = ReplyOptions(
+            model=ctx.model_name,
+            tools=mode,
+            stop_sequences=tuple(body.stop_sequences or ()),
+            decode=ctx.decode,
+            block_size=ctx.block_size,
+            prompt_tokens=len(ids),
+        )
+        reply = AnthropicReply(gen, options)
+        if not body.stream:
+            return JSONResponse(await reply.body())
+        return StreamingResponse(
+            reply.sse(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @app.post("/v1/messages/count_tokens", tags=["anthropic"])
+    async def count_tokens(body: CountTokensRequest, tenant: TenantDep) -> Response:
+        ctx.check_open(body.model)
+        ids, _ = await ctx.chat_prompt(to_chat_request(body))
+        return JSONResponse({"input_tokens": len(ids)})
