@@ -135,7 +135,27 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {"use_sliding_window": False},
     "mistral": {"sliding_window": None},
-}
+    # sliding / global alternation: 3 layers sliding, the 4th global
+    "gemma3_text": {"num_hidden_layers": 4, "sliding_window_pattern": 4, "head_dim": 16,
+                    "query_pre_attn_scalar": 16, "sliding_window": 16},
+    # alternation with attention sinks and a tiny MoE
+    "gpt_oss": {"num_hidden_layers": 2, "head_dim": 16, "sliding_window": 16,
+                "num_local_experts": 4, "num_experts_per_tok": 2},
+    # short convolutions, attention in layer 1
+    "lfm2": {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
+             "conv_L_cache": 3},
+    # gated delta rule linear attention, attention in layer 2, a tiny MoE
+    "qwen3_next": {"num_hidden_layers": 3, "head_dim": 16, "layer_types":
+                   ["linear_attention", "linear_attention", "full_attention"],
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32},
+    # attention and a Mamba-2 mixer side by side in every layer: not cacheable yet
+    "falcon_h1": {"num_hidden_layers": 2, "head_dim": 16, "mamba_d_ssm": 64,
+                  "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+                  "mamba_chunk_size": 8, "mamba_expand": 1},
+}  # fmt: skip
 
 
 def _config(arch: str, vocab_size: int, bos: int, eos: int, **overrides: Any) -> Any:

@@ -93,11 +93,16 @@ class CacheConfig:
     hash_algorithm: str = "xxh3_128"
     hash_seed: bytes | str | None = None
     enable_prefix_caching: bool = True
+    # Models with recurrent layers: snapshot the state every this many blocks.
+    snapshot_interval_blocks: int = 1
 
     def __post_init__(self) -> None:
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 1024 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 1024, got {bs!r}")
+        k = self.snapshot_interval_blocks
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"snapshot_interval_blocks must be an integer >= 1, got {k!r}")
         if self.hash_algorithm not in ("xxh3_128", "sha256"):
             raise ValueError(
                 f"hash_algorithm must be 'xxh3_128' or 'sha256', got {self.hash_algorithm!r}"

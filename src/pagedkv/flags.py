@@ -91,6 +91,13 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         default=env_bool("--no-prefix-cache"),
         help="turn prefix caching off",
     )
+    p.add_argument(
+        "--snapshot-interval-blocks",
+        type=int,
+        default=int(env("--snapshot-interval-blocks", 1)),
+        help="models with recurrent layers: keep a snapshot of their state every this many "
+        "blocks (default 1; a hit resumes from the last snapshot)",
+    )
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -145,4 +152,5 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         redis_url=args.redis_url or None,
         hash_algorithm=args.hash_algorithm,
         enable_prefix_caching=not args.no_prefix_cache,
+        snapshot_interval_blocks=getattr(args, "snapshot_interval_blocks", 1),
     )

@@ -214,16 +214,26 @@ def test_chat_uses_the_template(engines: tuple[Engine, Engine]) -> None:
     assert a.text == b.text == off.chat(msgs, GREEDY).text
 
 
-def test_sliding_window_model_runs_without_cache(
-    tiny_sliding_dir: Path, caplog: pytest.LogCaptureFixture
+def test_unsupported_layers_run_without_cache_and_say_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Falcon-H1 keeps attention KV and a Mamba-2 state in one cache layer, which
+    pagedkv cannot restore: caching is off, with a warning naming the layer type,
+    and the statistics (what /v1/cache/stats shows) say why."""
+    from fixtures_models import make_tiny_model
+
+    from pagedkv.server.metrics import stats_json
+
+    model = make_tiny_model(tmp_path / "falcon-h1", arch="falcon_h1", seed=4)
     with caplog.at_level("WARNING"):
-        eng = Engine.from_pretrained(str(tiny_sliding_dir), config=CacheConfig(block_size=BS))
-    off = Engine.from_pretrained(
-        str(tiny_sliding_dir), config=CacheConfig(enable_prefix_caching=False)
-    )
+        eng = Engine.from_pretrained(str(model), config=CacheConfig(block_size=BS))
+    off = Engine.from_pretrained(str(model), config=CacheConfig(enable_prefix_caching=False))
     assert eng.prefix is None
-    assert any("prefix caching is off" in r.getMessage() for r in caplog.records)
+    warnings = [r.getMessage() for r in caplog.records if "prefix caching is off" in r.getMessage()]
+    assert warnings and "LinearAttentionAndFullAttentionLayer" in warnings[0]
+    stats = stats_json(eng.cache_stats())
+    assert stats["prefix_caching"] is False
+    assert "LinearAttentionAndFullAttentionLayer" in str(stats["caching_off_reason"])
     prompt = _rand_prompt(random.Random(12), 30)
     a = eng.generate(prompt, GREEDY)
     assert eng.generate(prompt, GREEDY).cached_tokens == 0

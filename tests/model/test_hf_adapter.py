@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model import BUNDLED_MODEL_NAME, ModelAdapter, bundled, fingerprint, load_model
 from pagedkv.model.hf import resolve_dtype
-from pagedkv.model.kinds import prefix_caching_unsupported_reason
+from pagedkv.model.kinds import prefix_caching_unsupported_reason, read_layer_kinds
 
 PROMPT = (
     "Tokens flow through two tiny layers; keys and values pile up, block after block, "
@@ -217,35 +217,42 @@ def test_build_cache_rejects_wrong_shapes(llama: ModelAdapter) -> None:
 # ---- unsupported layer types ------------------------------------------------------
 
 
-def test_sliding_window_model_turns_prefix_caching_off(tiny_sliding_dir: Path) -> None:
+def test_sliding_window_model_keeps_prefix_caching_on(tiny_sliding_dir: Path) -> None:
     adapter = load_model(tiny_sliding_dir)
-    assert not adapter.prefix_caching_supported
-    assert adapter.unsupported_reason is not None
-    assert "sliding" in adapter.unsupported_reason and "16" in adapter.unsupported_reason
-    with pytest.raises(ModelNotSupportedError, match="sliding"):
-        adapter.build_cache(adapter.cache_layers(adapter.new_cache()))
-    logits, cache = adapter.forward(adapter.encode(PROMPT), None)  # still runs, uncached
-    assert logits.shape == (adapter.vocab_size,) and adapter.cache_length(cache) > 0
+    assert adapter.prefix_caching_supported, adapter.unsupported_reason
+    assert adapter.batched, adapter.unbatched_reason
+    assert adapter.kv_windows == (16, 16)
+    assert adapter.kinds.describe() == "sliding(16) x2"
 
 
 @pytest.mark.parametrize(
-    ("arch", "kwargs", "unsupported"),
+    ("arch", "kwargs", "kinds", "unsupported"),
     [
-        ("llama", {}, False),
-        ("mistral", {"sliding_window": None}, False),
-        ("mistral", {"sliding_window": 4096}, True),
-        ("mistral", {"sliding_window": 8192, "max_position_embeddings": 8192}, False),
-        ("mistral", {"sliding_window": 8191, "max_position_embeddings": 8192}, True),
-        ("qwen2", {"use_sliding_window": False, "sliding_window": 4096}, False),
+        ("llama", {}, "full x2", False),
+        ("mistral", {"sliding_window": None}, "full x2", False),
+        ("mistral", {"sliding_window": 8192, "max_position_embeddings": 8192}, "full x2",
+         False),  # a window as long as the context never drops a token
+        ("mistral", {"sliding_window": 8191, "max_position_embeddings": 8192},
+         "sliding(8191) x2", False),
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 4096}, "full x2", False),
         # qwen2 slides only in layers >= max_window_layers
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, True),
-        ("qwen2", {"use_sliding_window": True, "max_window_layers": 2}, False),
-        ("gemma2", {}, True),
-        ("mamba", {}, True),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+         "full x1, sliding(64) x1", False),
+        ("gemma2", {"sliding_window": 64}, "sliding(64) x1, full x1", False),
+        ("gpt_oss", {"sliding_window": 64}, "sliding(64) x1, full x1", False),
+        ("lfm2", {"layer_types": ["conv", "full_attention"]}, "state x1, full x1", False),
+        ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"]},
+         "state x1, full x1", False),
+        ("bamba", {"attn_layer_indices": [1]}, "state x1, full x1", False),
+        ("falcon_h1", {}, "state+full x2", False),  # the config is fine; the cache class not
+        ("mamba", {}, "state x2", True),  # no layer keeps per-token KV
     ],
-)
-def test_layer_type_detection(arch: str, kwargs: dict[str, object], unsupported: bool) -> None:
+)  # fmt: skip
+def test_layer_kinds_come_from_the_config(
+    arch: str, kwargs: dict[str, object], kinds: str, unsupported: bool
+) -> None:
     config = AutoConfig.for_model(arch, num_hidden_layers=2, **kwargs)
+    assert read_layer_kinds(config).describe() == kinds
     reason = prefix_caching_unsupported_reason(config)
     assert (reason is not None) == unsupported, reason
 

@@ -12,6 +12,7 @@ from pagedkv.cache.hashing import BlockHasher
 from pagedkv.cache.pool import BlockPool
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout, RamBlockStore
+from pagedkv.cache.snapshots import SnapshotStore
 from pagedkv.cache.tiers import LowerTiers
 from pagedkv.config import CacheConfig, default_ram_cache_bytes, default_ssd_cache_bytes
 from pagedkv.storage.base import KVTier
@@ -27,7 +28,13 @@ def build_prefix_cache(
     ram_bytes = config.ram_cache_bytes
     if ram_bytes is None:
         ram_bytes = default_ram_cache_bytes()
-    usable = ram_bytes // layout.bytes_per_block
+    state_bytes = 0
+    if layout.state_numel:
+        # RAM shared in proportion to what one snapshot interval stores of each.
+        snapshot = 4 * layout.state_numel
+        interval = config.snapshot_interval_blocks * layout.bytes_per_block
+        state_bytes = ram_bytes * snapshot // (snapshot + interval)
+    usable = (ram_bytes - state_bytes) // layout.bytes_per_block
     if usable < 1:
         log.warning(
             "prefix caching is off: the RAM cache (%d bytes) holds less than one block "
@@ -73,7 +80,22 @@ def build_prefix_cache(
         usable,
         ", ".join(["ram"] + [t.name for t in tiers]),
     )
-    return PrefixCache(pool, ram, LowerTiers(tiers, kv_shape), namespace)
+    snapshots = None
+    if layout.state_numel:
+        snapshots = SnapshotStore(
+            layout.state_numel,
+            state_bytes,
+            tiers,
+            namespace,
+            interval_tokens=config.snapshot_interval_blocks * config.block_size,
+        )
+        log.info(
+            "recurrent-state snapshots: every %d blocks, %d bytes each, RAM %.1f MiB",
+            config.snapshot_interval_blocks,
+            snapshots.nbytes,
+            state_bytes / 2**20,
+        )
+    return PrefixCache(pool, ram, LowerTiers(tiers, kv_shape), namespace, snapshots)
 
 
 def resolve_seed(configured: bytes | str | None, tiers: list[KVTier]) -> bytes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +24,9 @@ from pagedkv.cache.hashing import BlockHasher, ExtraKeys, HashChain, TokenIds
 from pagedkv.cache.history import CacheHistory
 from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
 from pagedkv.cache.ram import RamBlockStore
+from pagedkv.cache.snapshots import SnapshotStore
 from pagedkv.cache.tiers import Found, LowerTiers
+from pagedkv.cache.window import copy_prefix
 from pagedkv.errors import OutOfBlocksError
 from pagedkv.storage.base import BlockMeta, KVBlock, TierStats
 
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 
 # Produces the KV of tokens [start, end) of the running request, `[L, 2, H, end - start, D]`.
 KVSource = Callable[[int, int], torch.Tensor]
+# Recurrent-state snapshots of a request, by the number of tokens they follow.
+StateSnapshots = Mapping[int, torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +53,15 @@ class PrefixCache:
     """Finds, restores and stores prefix KV across all tiers, for one model namespace."""
 
     def __init__(
-        self, pool: BlockPool, ram: RamBlockStore, lower: LowerTiers, namespace: str
+        self,
+        pool: BlockPool,
+        ram: RamBlockStore,
+        lower: LowerTiers,
+        namespace: str,
+        snapshots: SnapshotStore | None = None,
     ) -> None:
         self.pool = pool
+        self.snapshots = snapshots  # None: the model keeps no recurrent state
         self.ram = ram
         self.lower = lower
         self.namespace = namespace
@@ -127,17 +137,32 @@ class PrefixCache:
             extra={
                 "bytes_allocated": self.ram.bytes_allocated,
                 "alloc_failures": self.alloc_failures,
-            },
+            }
+            | self._snapshot_stats(),
         )
         tiers = {"ram": ram} | {tier.name: tier.stats() for tier in self.lower.tiers}
         return CacheStats(
             self.namespace, self.block_size, self.ram.layout.bytes_per_token, pool, tiers
         )
 
+    def _snapshot_stats(self) -> dict[str, float | int | str | bool]:
+        store = self.snapshots
+        if store is None:
+            return {}
+        stats: dict[str, float | int | str | bool] = {
+            "snapshots": len(store),
+            "snapshot_bytes": store.bytes_used,
+            "snapshot_interval_tokens": store.interval_tokens,
+            "snapshots_stored": store.stored,
+        }
+        return stats | {f"snapshot_hits_{tier}": n for tier, n in store.hits.items()}
+
     def clear(self) -> int:
         """Forget this namespace's unreferenced blocks in every tier; other namespaces of a
         shared SSD directory or Redis stay. Returns the RAM blocks dropped."""
         dropped = self.pool.evict_all()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         for tier in self.lower.tiers:
             tier.clear(self.namespace)
         self.history.cleared()
@@ -172,7 +197,12 @@ class RequestCache:
         self.tier_hits: dict[str, int] = {}
         # Tier of each full block the lookup found below RAM, in order after `table`.
         self._sources: list[str] = []
+        # Their KV as the tier returned it: cached into RAM from here, not from the
+        # request's buffers, where a sliding layer holds only its window.
+        self._found_kv: list[torch.Tensor] = []
         self._tail: Found | None = None
+        # The recurrent state at the end of the restored prefix (models with state only).
+        self.restored_state: torch.Tensor | None = None
 
     # -- lookup and restore -----------------------------------------------------
 
@@ -181,7 +211,12 @@ class RequestCache:
         tokens of it, and write its KV into `out` `[L, 2, H, >= limit, D]` (the model's
         cache buffers). Returns the number of tokens restored. While a lower tier
         reads, another thread faults `out`'s pages in, which would otherwise be a
-        third of the restore's time."""
+        third of the restore's time.
+
+        A sliding-window layer gets only its last window (`cache.window`); the rest of
+        its rows in `out` are left as they were, which must be finite (zeros). For a
+        model with recurrent layers the prefix ends at the last block boundary with a
+        snapshot, which `restored_state` then holds for the caller to load."""
         cache, chain, bs = self._cache, self.chain, self._cache.block_size
         match = cache.pool.match_prefix(chain.tokens, self.extra, chain=chain, acquire=True)
         full = list(match.blocks[: match.num_full_blocks])
@@ -190,6 +225,7 @@ class RequestCache:
         cache.ram_hit_blocks += len(match.blocks)
         found: list[Found] = []
         prefault: list[threading.Thread] = []
+        snapshots = cache.snapshots
         try:
             lower = cache.lower
             if lower and len(full) < len(chain.hashes):
@@ -207,7 +243,7 @@ class RequestCache:
                 partial, ram_tokens = None, len(full) * bs
             num_full = len(full) + len(found)
             tail_tokens = 0
-            if lower and partial is None and num_full * bs < chain.num_tokens:
+            if lower and snapshots is None and partial is None and num_full * bs < chain.num_tokens:
                 hit = lower.fetch_partial(
                     chain.parent_keys[num_full], chain.tokens[num_full * bs :]
                 )
@@ -217,11 +253,16 @@ class RequestCache:
                 thread.join()
             prefault = []
             n = min(max(ram_tokens, num_full * bs + tail_tokens), limit)
+            if snapshots is not None:  # only where a snapshot of the state is
+                blocks, self.restored_state = snapshots.find(
+                    chain.hashes, chain.tokens, bs, n // bs
+                )
+                n = blocks * bs
+                found = found[: max(0, blocks - len(full))]
             ram_tokens = min(ram_tokens, n)
-            if ram_tokens:
-                ids = [b.block_id for b in full] + ([partial.block_id] if partial else [])
-                cache.ram.gather_into(ids, out[:, :, :, :ram_tokens])
-            self._copy_found(found, out[:, :, :, ram_tokens:n])
+            ids = [b.block_id for b in full] + ([partial.block_id] if partial else [])
+            pieces = [f.block.kv for f in found] + ([self._tail.block.kv] if self._tail else [])
+            copy_prefix(cache.ram, ids, ram_tokens, pieces, len(full), out, n)
         except BaseException:
             for thread in prefault:
                 thread.join()
@@ -231,6 +272,7 @@ class RequestCache:
             if partial is not None:
                 cache.pool.free([partial])
         self._sources = [f.tier for f in found]
+        self._found_kv = [f.block.kv for f in found]
         self.num_cached_tokens = n
         self._count("ram", ram_tokens)
         for i, f in enumerate(found):
@@ -239,41 +281,32 @@ class RequestCache:
             self._count(self._tail.tier, max(0, n - num_full * bs))
         return n
 
-    def _copy_found(self, found: list[Found], out: torch.Tensor) -> None:
-        left = out.shape[3]
-        if not left:
-            return
-        pieces = []
-        for f in found + ([self._tail] if self._tail is not None else []):
-            take = min(f.block.kv.shape[3], left)
-            pieces.append(f.block.kv[:, :, :, :take])
-            left -= take
-            if not left:
-                break
-        torch.cat(pieces, dim=3, out=out)
-
     def _count(self, tier: str, num_tokens: int) -> None:
         if num_tokens:
             self.tier_hits[tier] = self.tier_hits.get(tier, 0) + num_tokens
 
     # -- store -----------------------------------------------------------------
 
-    def cache_prompt(self, kv_of: KVSource) -> None:
+    def cache_prompt(self, kv_of: KVSource, states: StateSnapshots | None = None) -> None:
         """Cache the prompt's full blocks that RAM lacks, from the request's KV: those a
         lower tier supplied are written through to the other tiers (a Redis hit goes to
         SSD), those computed here to every tier. A partial tail found in a lower tier is
-        not copied up: the request caches its own tail when it finishes."""
+        not copied up: the request caches its own tail when it finishes. `states`: the
+        recurrent-state snapshots the request took, by the token count they follow."""
         sources: list[str | None] = list(self._sources)
         self._sources, self._tail = [], None
         num_full = self.num_prompt_tokens // self._cache.block_size
         added = self._cache_blocks(num_full, kv_of, self.num_prompt_tokens)
         if added:
             self._cache._write_through(added, (sources + [None] * len(added))[: len(added)])
+        self._cache_states(states)
 
-    def cache_finished(self, tokens: Sequence[int], kv_of: KVSource) -> None:
+    def cache_finished(
+        self, tokens: Sequence[int], kv_of: KVSource, states: StateSnapshots | None = None
+    ) -> None:
         """Cache every block of `tokens` (the prompt, then the generated tokens whose KV
         exists; fewer than the prompt when a prefill stopped early) beyond `table`, the
-        partial last block too, and write them through."""
+        partial last block too, and write them through; then the snapshots."""
         known = self.chain.num_tokens
         if len(tokens) > known:
             self.chain = self._cache.hasher.extend(self.chain, tokens[known:], self.extra)
@@ -281,6 +314,22 @@ class RequestCache:
         added = self._cache_blocks(-(-len(tokens) // bs), kv_of, len(tokens))
         if added:
             self._cache._write_through(added, [None] * len(added))
+        self._cache_states(states)
+
+    def _cache_states(self, states: StateSnapshots | None) -> None:
+        """Keep each snapshot taken at the end of a full block whose KV is cached."""
+        store, bs = self._cache.snapshots, self._cache.block_size
+        if store is None or not states:
+            return
+        chain = self.chain
+        for num_tokens, state in sorted(states.items()):
+            j = num_tokens // bs
+            if num_tokens % bs or not 0 < j <= min(len(self.table), len(chain.hashes)):
+                continue
+            tokens = np.asarray(chain.tokens[(j - 1) * bs : j * bs], dtype=np.int32)
+            meta = BlockMeta(chain.hashes[j - 1], chain.parent_keys[j - 1], tokens,
+                             self._cache.namespace)  # fmt: skip
+            store.put(meta, state)
 
     def fork(self) -> RequestCache:
         """A handle for another sample of the same request: the same chain, and one more
@@ -290,7 +339,8 @@ class RequestCache:
         twin._cache, twin.extra, twin.chain = self._cache, self.extra, self.chain
         twin.num_prompt_tokens = self.num_prompt_tokens
         twin.num_cached_tokens, twin.tier_hits = self.num_cached_tokens, dict(self.tier_hits)
-        twin._sources, twin._tail = [], None
+        twin._sources, twin._tail, twin._found_kv = [], None, []
+        twin.restored_state = None
         twin.table = self._cache.pool.fork(BlockTable("fork", self.table), "twin").blocks
         return twin
 
@@ -305,8 +355,12 @@ class RequestCache:
         if new is None:
             return []
         end = min(num_tokens, num_blocks * bs)
+        found, self._found_kv = self._found_kv[: len(new)], []
         try:
-            cache.ram.scatter([b.block_id for b in new], kv_of(start * bs, end))
+            cache.ram.write_blocks([b.block_id for b in new[: len(found)]], found)
+            if len(new) > len(found):
+                first = (start + len(found)) * bs
+                cache.ram.scatter([b.block_id for b in new[len(found) :]], kv_of(first, end))
         except BaseException:
             cache.pool.free(new)
             raise
@@ -316,7 +370,7 @@ class RequestCache:
 
     def release(self) -> None:
         """Drop the handle's references; its cached blocks stay findable until evicted."""
-        self._tail = None
+        self._tail, self._found_kv, self.restored_state = None, [], None
         if self.table:
             self._cache.pool.free(self.table)
             self.table = []

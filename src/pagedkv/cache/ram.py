@@ -7,16 +7,27 @@ from dataclasses import dataclass
 
 import torch
 
+_ALL = slice(None)
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The shape of one block's KV: `[num_layers, 2, num_kv_heads, block_size, head_dim]`."""
+    """The shape of one block's KV: `[num_layers, 2, num_kv_heads, block_size, head_dim]`,
+    `num_layers` counting the layers that keep per-token KV.
+
+    `windows[i]` is KV layer i's sliding window in tokens (None: full attention;
+    empty: every layer is full): a restore copies a sliding layer's last window
+    only. `state_numel` is the size of one recurrent-state snapshot (float32
+    values; 0: the model has no recurrent layers), kept beside the block that
+    ends where it was taken."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    windows: tuple[int | None, ...] = ()
+    state_numel: int = 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -95,10 +106,10 @@ class RamBlockStore:
             groups.append((s, pos, ids[pos] - s * self.slab_blocks))
         return groups
 
-    def _block(self, block_id: int) -> torch.Tensor:
+    def _block(self, block_id: int, layers: slice = _ALL) -> torch.Tensor:
         """One block's KV in place, `[L, 2, H, block_size, D]`."""
         slab = self.slabs[block_id // self.slab_blocks]
-        return slab[:, :, :, block_id % self.slab_blocks]
+        return slab[layers, :, :, block_id % self.slab_blocks]
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """KV of `block_ids` in order: `[L, 2, H, n * block_size, D]`."""
@@ -108,27 +119,34 @@ class RamBlockStore:
         self._gather(block_ids, out)
         return out.flatten(3, 4)
 
-    def gather_into(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def gather_into(
+        self, block_ids: Sequence[int], out: torch.Tensor, layers: slice = _ALL
+    ) -> None:
         """Write the first `T` tokens of `block_ids` into `out` `[L, 2, H, T, D]`, which
         may be a strided view (the model's own cache buffers): one `index_select` per
-        slab for all layers, straight into place."""
+        slab for all layers, straight into place. `layers` picks a run of the layers
+        (`out` then holds only those)."""
         bs = self.layout.block_size
         n_full = out.shape[3] // bs
         if n_full:
-            self._gather(block_ids[:n_full], out[:, :, :, : n_full * bs].unflatten(3, (n_full, bs)))
+            self._gather(
+                block_ids[:n_full], out[:, :, :, : n_full * bs].unflatten(3, (n_full, bs)), layers
+            )
         rest = out.shape[3] - n_full * bs
         if rest:
-            out[:, :, :, n_full * bs :].copy_(self._block(block_ids[n_full])[:, :, :, :rest])
+            out[:, :, :, n_full * bs :].copy_(
+                self._block(block_ids[n_full], layers)[:, :, :, :rest]
+            )
 
-    def _gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+    def _gather(self, block_ids: Sequence[int], out: torch.Tensor, layers: slice = _ALL) -> None:
         """`out[:, :, :, i] = block block_ids[i]` for `out` `[L, 2, H, n, block_size, D]`."""
         groups = self._split(block_ids)
         if len(groups) == 1:
             s, _, off = groups[0]
-            torch.index_select(self.slabs[s], 3, off.to(self.device), out=out)
+            torch.index_select(self.slabs[s][layers], 3, off.to(self.device), out=out)
             return
         for s, pos, off in groups:
-            out.index_copy_(3, pos.to(self.device), self.slabs[s].index_select(3, off))
+            out.index_copy_(3, pos.to(self.device), self.slabs[s][layers].index_select(3, off))
 
     def scatter(self, block_ids: Sequence[int], kv: torch.Tensor) -> None:
         """Write `kv` `[L, 2, H, T, D]` (T <= n * block_size, from a block boundary) into

@@ -103,13 +103,17 @@ class Engine:
             self.caching_off_reason = adapter.unsupported_reason
             log.warning("prefix caching is off for %s: %s", adapter.name, self.caching_off_reason)
             return None
+        state = adapter.state_layout
         layout = KVLayout(
-            adapter.num_layers,
+            adapter.num_kv_layers,
             adapter.num_kv_heads,
             adapter.head_dim,
             config.block_size,
             adapter.dtype,
+            windows=adapter.kv_windows if any(adapter.kv_windows) else (),
+            state_numel=state.numel if state is not None else 0,
         )
+        log.info("layers of %s: %s", adapter.name, adapter.kinds.describe())
         namespace = adapter.fingerprint(config.block_size)
         prefix = build_prefix_cache(config, layout, namespace, adapter.device)
         if prefix is None:

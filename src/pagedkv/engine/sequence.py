@@ -47,6 +47,8 @@ class Sequence:
     sibling_capacity: int = 0
     cached_tokens: int = 0
     tier_hits: dict[str, int] = field(default_factory=dict)
+    # Recurrent-state snapshots (models with state layers), by the token count they follow.
+    snapshots: dict[int, torch.Tensor] = field(default_factory=dict)
     logprobs: list[float] = field(default_factory=list)
     ttft: float = 0.0
     finish_reason: str | None = None

@@ -159,6 +159,9 @@ class Worker:
                 seq.handle, restored = None, 0
             if seq.cache is not None:
                 adapter.set_cache_length(seq.cache, restored)
+                state = seq.handle.restored_state if seq.handle is not None else None
+                if state is not None and adapter.state_layout is not None:
+                    adapter.state_layout.load(seq.cache, state, adapter.device)
         seq.num_computed = restored
         if not seq.admitted:
             seq.cached_tokens = restored
@@ -226,7 +229,9 @@ class Worker:
         if handle is not None:
             try:
                 if cache and seq.num_computed:
-                    handle.cache_finished(seq.tokens[: seq.num_computed], self._kv_source(seq))
+                    handle.cache_finished(
+                        seq.tokens[: seq.num_computed], self._kv_source(seq), seq.snapshots
+                    )
             except Exception:
                 log.warning("caching a finished sequence failed", exc_info=True)
                 self.cache_errors += 1
@@ -236,6 +241,7 @@ class Worker:
             self.scheduler.release(seq.capacity + seq.sibling_capacity)
         seq.capacity = seq.sibling_capacity = seq.num_computed = 0
         seq.kv = seq.cache = None
+        seq.snapshots = {}
 
     def _kv_source(self, seq: Sequence) -> Callable[[int, int], torch.Tensor]:
         if seq.kv is not None:
@@ -267,11 +273,18 @@ class Worker:
                 seq.num_computed += n
             return list(zip(wanted, logits, strict=True))
         out = []
+        every = self._snapshot_every()
         for seq, n in work:  # one sequence per forward: a failure ends only its own
             try:
+                if every:  # end the chunk where the next snapshot is due
+                    n = min(n, every - seq.num_computed % every)
                 ids = seq.tokens[seq.num_computed : seq.num_computed + n]
                 logits, seq.cache = self.adapter.forward(ids, seq.cache)
                 seq.num_computed += n
+                if every and seq.num_computed % every == 0 and seq.handle is not None:
+                    layout = self.adapter.state_layout
+                    assert layout is not None
+                    seq.snapshots[seq.num_computed] = layout.snapshot(seq.cache)
             except Exception as exc:
                 log.exception("a forward failed")
                 self._fail(seq, exc)
@@ -280,6 +293,11 @@ class Worker:
                 out.append((seq, logits))
         return out
 
+    def _snapshot_every(self) -> int:
+        """Tokens between recurrent-state snapshots; 0 when none are taken."""
+        store = self.prefix.snapshots if self.prefix is not None else None
+        return store.interval_tokens if store is not None else 0
+
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         first = not seq.generated
         self._emit_token(seq, logits)
@@ -287,7 +305,8 @@ class Worker:
             seq.prompt_cached = True
             if seq.handle is not None:
                 try:  # after the first token, not before: nothing here is needed for it
-                    seq.handle.cache_prompt(self._kv_source(seq))
+                    seq.handle.cache_prompt(self._kv_source(seq), seq.snapshots)
+                    seq.snapshots = {}  # all within the prompt, and stored now
                 except Exception:
                     log.warning("caching a prompt failed", exc_info=True)
                     self.cache_errors += 1

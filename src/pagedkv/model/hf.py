@@ -19,21 +19,22 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
 from pagedkv.model.fingerprint import config_identity, weights_digest
-from pagedkv.model.kinds import classify_layers, ragged_unsupported_reason
+from pagedkv.model.kinds import LayerKinds, read_layer_kinds
 from pagedkv.model.kv_layer import GrowableLayer
 from pagedkv.model.linear import tune_linears
+from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
 
 logger = logging.getLogger(__name__)
 
 # Bumped whenever the meaning of stored KV changes (layout, rounding, RoPE
 # handling); part of every fingerprint, so old blocks simply stop matching.
-KV_LAYOUT_VERSION = 1
+KV_LAYOUT_VERSION = 2  # 2: KV rows are the KV layers only; recurrent-state snapshots
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,12 +115,18 @@ class ModelAdapter:
         if "logits_to_keep" in params:
             self._forward_kwargs["logits_to_keep"] = 1
 
-        reason, self._widened_layers = classify_layers(model.config)
-        self.unsupported_reason: str | None = reason
-        if self.unsupported_reason is None and not all(
-            type(layer) is GrowableLayer for layer in self.new_cache().layers
-        ):
-            self.unsupported_reason = "transformers builds a non-standard KV cache for this model"
+        self.kinds: LayerKinds = read_layer_kinds(model.config)
+        # Rows of every KV buffer and block: the layers that keep per-token KV.
+        self.kv_layers: tuple[int, ...] = self.kinds.kv_layers
+        self.num_kv_layers: int = len(self.kv_layers)
+        self.kv_windows: tuple[int | None, ...] = self.kinds.kv_windows
+        self.state_layers: tuple[int, ...] = self.kinds.state_layers
+        self.unsupported_reason: str | None = self.kinds.unsupported
+        if self.unsupported_reason is None:
+            self.unsupported_reason = cache_layer_problem(self.new_cache().layers, self.kinds)
+        self.state_layout: StateLayout | None = None
+        if self.unsupported_reason is None and self.state_layers:
+            self.state_layout = probe_state_layout(self, self.state_layers)
         self.prefix_caching_supported: bool = self.unsupported_reason is None
         self._identity: str | None = None
         self.unbatched_reason: str | None = self._use_ragged_attention(params)
@@ -136,9 +143,9 @@ class ModelAdapter:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V, all layers, for one token in the model's dtype."""
+        """Bytes of K and V, all KV layers, for one token in the model's dtype."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element
+        return max(1, self.num_kv_layers) * 2 * self.num_kv_heads * self.head_dim * element
 
     def fingerprint(self, block_size: int) -> str:
         """Namespace of this model's KV blocks: a hex digest of the config
@@ -160,11 +167,15 @@ class ModelAdapter:
     # ---- KV cache -------------------------------------------------------
 
     def new_cache(self, capacity: int = 0) -> Any:
-        """An empty transformers cache for this model; its full-attention layers
-        append in place into buffers sized for `capacity` tokens (see GrowableLayer)."""
+        """An empty transformers cache for this model; its attention layers append in
+        place into buffers sized for `capacity` tokens (see GrowableLayer). Sliding
+        layers too keep every token, as the ragged batch's buffers do: the prefix cache
+        stores each block's KV for every layer, and a layer that dropped old tokens
+        (transformers' DynamicSlidingWindowLayer, rejected here) could not supply them.
+        The model's mask still limits what each sliding layer attends to."""
         cache = DynamicCache(config=self.config)
-        for i, layer in enumerate(cache.layers):
-            if type(layer) is DynamicLayer or i in self._widened_layers:
+        for i in self.kv_layers:
+            if type(cache.layers[i]) in (DynamicLayer, DynamicSlidingWindowLayer):
                 cache.layers[i] = GrowableLayer(capacity)
         return cache
 
@@ -177,8 +188,10 @@ class ModelAdapter:
             raise ModelNotSupportedError(
                 f"cannot restore KV into {self.name}: {self.unsupported_reason}"
             )
-        if len(layers) != self.num_layers:
-            raise ValueError(f"build_cache got {len(layers)} layers, model has {self.num_layers}")
+        if len(layers) != self.num_kv_layers:
+            raise ValueError(
+                f"build_cache got {len(layers)} layers, model has {self.num_kv_layers} KV layers"
+            )
         num_tokens = layers[0][0].shape[2] if layers else 0
         cache = self.new_cache(max(capacity, num_tokens))
         expected = (1, self.num_kv_heads, self.head_dim)
@@ -193,35 +206,39 @@ class ModelAdapter:
                     raise ValueError(f"layer {i}: {t.shape[2]} tokens, layer 0 has {num_tokens}")
             keys = keys.to(device=self.device, dtype=self.dtype)
             values = values.to(device=self.device, dtype=self.dtype)
-            cache.layers[i].update(keys, values)
+            cache.layers[self.kv_layers[i]].update(keys, values)
         return cache
 
     def cache_with_buffers(self, capacity: int) -> tuple[Any, torch.Tensor]:
-        """An empty cache whose layers keep their KV in one allocation, and that
-        allocation as `[num_layers, 2, kv_heads, capacity, head_dim]`. A caller
+        """An empty cache whose KV layers keep their KV in one allocation, and that
+        allocation as `[num_kv_layers, 2, kv_heads, capacity, head_dim]`, zero-filled
+        (a sliding layer's restore leaves the tokens before its window untouched, and
+        attention must see finite numbers there even where it masks them). A caller
         restoring a prefix writes its first tokens there, then `set_cache_length`:
         restoring straight into the buffers the model attends over saves a copy."""
         if not self.prefix_caching_supported:
             raise ModelNotSupportedError(
                 f"cannot restore KV into {self.name}: {self.unsupported_reason}"
             )
-        shape = (self.num_layers, 2, 1, self.num_kv_heads, capacity, self.head_dim)
-        buffers = torch.empty(shape, dtype=self.dtype, device=self.device)
+        shape = (self.num_kv_layers, 2, 1, self.num_kv_heads, capacity, self.head_dim)
+        if self.device.type == "cpu":
+            buffers = mapped_empty(shape, self.dtype)  # fresh anonymous pages read as zeros
+        else:
+            buffers = torch.zeros(shape, dtype=self.dtype, device=self.device)
         cache = self.new_cache(capacity)
-        for i, layer in enumerate(cache.layers):
-            layer.adopt(buffers[i, 0], buffers[i, 1], 0)
+        for row, i in enumerate(self.kv_layers):
+            cache.layers[i].adopt(buffers[row, 0], buffers[row, 1], 0)
         return cache, buffers[:, :, 0]
 
-    @staticmethod
-    def set_cache_length(cache: Any, num_tokens: int) -> None:
+    def set_cache_length(self, cache: Any, num_tokens: int) -> None:
         """Declare the first `num_tokens` of a `cache_with_buffers` cache filled."""
-        for layer in cache.layers:
-            layer.set_length(num_tokens)
+        for i in self.kv_layers:
+            cache.layers[i].set_length(num_tokens)
 
     def cache_layers(self, cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer `(keys, values)` `[1, kv_heads, tokens, head_dim]` of a cache (views)."""
+        """Per KV layer `(keys, values)` `[1, kv_heads, tokens, head_dim]` of a cache (views)."""
         out = []
-        for layer in cache.layers:
+        for layer in (cache.layers[i] for i in self.kv_layers):
             if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
                 empty = torch.empty(
                     (1, self.num_kv_heads, 0, self.head_dim), dtype=self.dtype, device=self.device
@@ -242,7 +259,7 @@ class ModelAdapter:
         """Switch the model to ragged attention when its layers allow it and a probe
         forward agrees with the model's own attention; else why not (the model then
         runs one sequence per forward)."""
-        reason = ragged_unsupported_reason(self.config)
+        reason = self.kinds.unbatched
         if reason is None and "logits_to_keep" not in params:
             reason = "its forward takes no logits_to_keep"
         if reason is not None:
@@ -262,8 +279,9 @@ class ModelAdapter:
         return None
 
     def new_kv_buffer(self, capacity: int) -> torch.Tensor:
-        """An empty KV buffer for one sequence, `[num_layers, 2, kv_heads, capacity, head_dim]`."""
-        shape = (self.num_layers, 2, self.num_kv_heads, capacity, self.head_dim)
+        """An empty KV buffer for one sequence, `[num_kv_layers, 2, kv_heads, capacity,
+        head_dim]` (the ragged batch runs only models whose every layer keeps KV)."""
+        shape = (self.num_kv_layers, 2, self.num_kv_heads, capacity, self.head_dim)
         if self.device.type != "cpu":
             return torch.empty(shape, dtype=self.dtype, device=self.device)
         return mapped_empty(shape, self.dtype)
