@@ -12,6 +12,9 @@ import psutil
 
 GiB = 1024**3
 
+# How KV is held in the live buffers, RAM and every tier (see `model.kv_format`).
+KV_DTYPES = ("auto", "bfloat16", "float16", "int8")
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -93,11 +96,16 @@ class CacheConfig:
     hash_algorithm: str = "xxh3_128"
     hash_seed: bytes | str | None = None
     enable_prefix_caching: bool = True
+    kv_dtype: str = "auto"  # one of KV_DTYPES; part of the namespace
 
     def __post_init__(self) -> None:
         bs = self.block_size
         if not isinstance(bs, int) or bs < 1 or bs > 1024 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 1024, got {bs!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}"
+            )
         if self.hash_algorithm not in ("xxh3_128", "sha256"):
             raise ValueError(
                 f"hash_algorithm must be 'xxh3_128' or 'sha256', got {self.hash_algorithm!r}"

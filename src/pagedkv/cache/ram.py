@@ -10,7 +10,9 @@ import torch
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The shape of one block's KV: `[num_layers, 2, num_kv_heads, block_size, head_dim]`."""
+    """The shape of one block's KV: `[num_layers, 2, num_kv_heads, block_size, head_dim]`.
+    `head_dim` and `dtype` are those of a stored row, which for 8-bit KV is bytes: the
+    values and their scale (the engine hands them over from `model.kv_format`)."""
 
     num_layers: int
     num_kv_heads: int
