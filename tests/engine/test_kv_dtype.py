@@ -23,6 +23,7 @@ from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine import SchedulerConfig
 from pagedkv.storage.redis.format import decode_frame
 from pagedkv.storage.ssd.format import decode_file
+from pagedkv.storage.ssd.maintenance import cache_stats
 
 KV_DTYPES = ["auto", "bfloat16", "float16", "int8"]
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)
@@ -112,6 +113,11 @@ def test_ssd_restart_equals_cache_off_and_stores_compact_files(
     cfg = {"ssd_cache_dir": ssd, "ssd_cache_bytes": 64 * 2**20}
     with _engine(tiny_llama_dir, kv_dtype, **cfg) as eng:
         eng.generate(prompts[0], PARAMS)
+        namespace = eng.prefix.namespace  # type: ignore[union-attr]
+    # `pagedkv cache stats`: the file bytes per token, KV plus ~40 B/token of header
+    # and token ids at this tiny block size
+    on_disk = cache_stats(ssd).bytes_per_token[namespace]
+    assert PER_TOKEN[kv_dtype] < on_disk < PER_TOKEN[kv_dtype] + 100
     files = sorted(ssd.rglob("*.safetensors"))
     assert files
     block, _ = decode_file(torch.frombuffer(bytearray(files[0].read_bytes()), dtype=torch.uint8),
