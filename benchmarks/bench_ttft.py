@@ -1,7 +1,7 @@
 """TTFT of a 4K-token cached prefix + 64 new tokens, against cold and against the limit.
 
     .venv/bin/python benchmarks/bench_ttft.py [--model smollm2-135m] [--prefix 4096]
-        [--tiers ram,ssd,redis] [--redis-url URL]
+        [--tiers ram,ssd,redis] [--redis-url URL] [--kv-dtypes auto,bfloat16,int8]
 
 For each tier the cached prefix is restored from, the warm TTFT is compared with
 - the cold TTFT (the same prompt with prefix caching off), and
@@ -10,6 +10,11 @@ For each tier the cached prefix is restored from, the warm TTFT is compared with
   tier restores from (memory copy for RAM, sequential disk read for SSD; for
   Redis, a second engine with empty RAM and no SSD, the target is only the
   ratio to cold), all measured in this run.
+
+With several `--kv-dtypes`, each tier runs every dtype in turn for each run, and
+reports the restore part of the TTFT (warm TTFT minus the float32 suffix-only
+prefill: reading the KV, plus attention's upcast of the compact prefix) against
+the first dtype's.
 
 SSD and Redis runs each start a fresh process, as a restarted or second server
 would be; the SSD block files' pages are dropped from the page cache first.
@@ -179,15 +184,25 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tiers", default="ram,ssd")
     ap.add_argument("--redis-url", default=None, help="default: start a private redis-server")
+    ap.add_argument(
+        "--kv-dtypes",
+        default="auto",
+        help="comma-separated kv_dtype values, run interleaved; the first is the baseline "
+        "of the 'restore x' column (restore = warm TTFT - suffix-only prefill)",
+    )
     args = ap.parse_args()
     tiers = args.tiers.split(",")
+    kv_dtypes = args.kv_dtypes.split(",")
 
     off = Engine.from_pretrained(args.model, config=CacheConfig(enable_prefix_caching=False))
     vocab = off.adapter.model.config.vocab_size
     prefix = prompt_ids(args.prefix, 0, vocab)
     suffixes = [prompt_ids(args.suffix, 1 + i, vocab) for i in range(args.runs + 1)]
-    kv_bytes = args.prefix * off.adapter.num_layers * 2 * off.adapter.num_kv_heads
-    kv_bytes *= off.adapter.head_dim * torch.empty((), dtype=off.adapter.dtype).element_size()
+    kv_bytes = {}
+    for kd in kv_dtypes:
+        off.adapter.set_kv_dtype(kd)
+        kv_bytes[kd] = args.prefix * off.adapter.kv_bytes_per_token
+    off.adapter.set_kv_dtype("auto")
     cold = statistics.median(
         off.generate(prefix + s, ONE).ttft_s for s in suffixes[: max(2, args.runs - 1)]
     )
@@ -205,53 +220,73 @@ def main() -> int:
     prefill = measured[0]
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("PAGEDKV_BENCH_DIR")) as tmp:
-        ssd_dir = Path(tmp) / "kv"
         if "ram" in tiers:
-            eng = Engine.from_pretrained(args.model, config=CacheConfig(ram_cache_bytes=2 * 2**30))
-            eng.generate(prefix + suffixes[0], ONE)
-            warm = [_timing(eng.generate(prefix + s, ONE)) for s in suffixes[1:]]
-            eng.close()
             bw = memory_bandwidth()
-            rows.append(("ram", warm, bw, "memory copy"))
+            for kd in kv_dtypes:
+                eng = Engine.from_pretrained(
+                    args.model, config=CacheConfig(ram_cache_bytes=2 * 2**30, kv_dtype=kd)
+                )
+                eng.generate(prefix + suffixes[0], ONE)
+                warm = [_timing(eng.generate(prefix + s, ONE)) for s in suffixes[1:]]
+                eng.close()
+                rows.append(("ram", kd, warm, bw, "memory copy"))
         if "ssd" in tiers:
-            cfg = {
-                "ram_cache_bytes": 2 * 2**30,
-                "ssd_cache_dir": str(ssd_dir),
-                "ssd_cache_bytes": 8 * 2**30,
-                "hash_seed": "bench",
+            cfgs = {
+                kd: {
+                    "ram_cache_bytes": 2 * 2**30,
+                    "ssd_cache_dir": str(Path(tmp) / f"kv-{kd}"),
+                    "ssd_cache_bytes": 8 * 2**30,
+                    "hash_seed": "bench",
+                    "kv_dtype": kd,
+                }
+                for kd in kv_dtypes
             }
-            restarted(args.model, cfg, prefix + suffixes[0])
+            for cfg in cfgs.values():
+                restarted(args.model, cfg, prefix + suffixes[0])
             bw = disk_bandwidth(Path(tmp))
-            warm = []
+            warm_ssd: dict[str, list[tuple[float, int]]] = {kd: [] for kd in kv_dtypes}
             for s in suffixes[1:]:  # a restart for each run: empty RAM, cold page cache
-                drop_page_cache(ssd_dir)
-                warm.append(restarted(args.model, cfg, prefix + s))
-            rows.append(("ssd", warm, bw, "disk sequential read"))
+                for kd, cfg in cfgs.items():  # interleaved, so load changes hit all alike
+                    drop_page_cache(Path(str(cfg["ssd_cache_dir"])))
+                    warm_ssd[kd].append(restarted(args.model, cfg, prefix + s))
+            for kd in kv_dtypes:
+                rows.append(("ssd", kd, warm_ssd[kd], bw, "disk sequential read"))
         if "redis" in tiers:
-            cfg = {
-                "ram_cache_bytes": 2 * 2**30,
-                "redis_url": args.redis_url or start_redis(Path(tmp)),
+            url = args.redis_url or start_redis(Path(tmp))
+            rcfgs = {
+                kd: {"ram_cache_bytes": 2 * 2**30, "redis_url": url, "kv_dtype": kd}
+                for kd in kv_dtypes
             }
-            restarted(args.model, cfg, prefix + suffixes[0])
-            warm = [restarted(args.model, cfg, prefix + s) for s in suffixes[1:]]
-            rows.append(("redis", warm, float("nan"), "n/a"))
+            for cfg in rcfgs.values():
+                restarted(args.model, cfg, prefix + suffixes[0])
+            warm_redis: dict[str, list[tuple[float, int]]] = {kd: [] for kd in kv_dtypes}
+            for s in suffixes[1:]:
+                for kd, cfg in rcfgs.items():
+                    warm_redis[kd].append(restarted(args.model, cfg, prefix + s))
+            for kd in kv_dtypes:
+                rows.append(("redis", kd, warm_redis[kd], float("nan"), "n/a"))
 
     print(
         f"model {args.model}, prefix {args.prefix} tokens cached + {args.suffix} new, "
-        f"KV {kv_bytes / 2**20:.1f} MiB, median of {args.runs}"
+        f"median of {args.runs}; KV "
+        + ", ".join(f"{kd} {b / 2**20:.1f} MiB" for kd, b in kv_bytes.items())
     )
     print(f"cold TTFT {cold * 1000:.0f} ms; suffix-only prefill {prefill * 1000:.1f} ms")
     print(
-        f"{'tier':6} {'cached':>7} {'warm ms':>8} {'cold/warm':>9} {'limit ms':>9} "
-        f"{'warm/limit':>10}  bandwidth"
+        f"{'tier':6} {'kv':9} {'cached':>7} {'warm ms':>8} {'cold/warm':>9} {'limit ms':>9} "
+        f"{'warm/limit':>10} {'restore ms':>10} {'restore x':>9}  bandwidth"
     )
-    for name, warm, bw, what in rows:
+    base: dict[str, float] = {}
+    for name, kd, warm, bw, what in rows:
         t = statistics.median(ttft for ttft, _ in warm)
         cached = min(n for _, n in warm)
-        limit = prefill + kv_bytes / bw if bw == bw else float("nan")
+        limit = prefill + kv_bytes[kd] / bw if bw == bw else float("nan")
+        restore = t - prefill
+        base.setdefault(name, restore)
         print(
-            f"{name:6} {cached:>7} {t * 1000:>8.1f} {cold / t:>9.1f} {limit * 1000:>9.1f} "
-            f"{t / limit:>10.2f}  {bw / 1e9:.1f} GB/s ({what})"
+            f"{name:6} {kd:9} {cached:>7} {t * 1000:>8.1f} {cold / t:>9.1f} {limit * 1000:>9.1f} "
+            f"{t / limit:>10.2f} {restore * 1000:>10.1f} {restore / base[name]:>9.2f}  "
+            f"{bw / 1e9:.1f} GB/s ({what})"
         )
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,8 @@ def test_generate_then_cache_commands(tiny_llama_dir: Path, tmp_path: Path) -> N
     )
     stats = run("stats")
     assert stats.returncode == 0 and '"num_blocks"' in stats.stdout
+    per_token = json.loads(stats.stdout)["bytes_per_token"]
+    assert len(per_token) == 1 and 512 < next(iter(per_token.values())) < 1024  # float32 KV
     assert run("check").returncode == 0
     assert "removed" in run("clear").stdout
     assert '"num_blocks": 0' in run("stats").stdout

@@ -12,6 +12,9 @@ import psutil
 
 GiB = 1024**3
 
+# How KV is held in the live buffers, RAM and every tier (see `model.kv_format`).
+KV_DTYPES = ("auto", "bfloat16", "float16", "int8")
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -95,6 +98,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Models with recurrent layers: snapshot the state every this many blocks.
     snapshot_interval_blocks: int = 1
+    kv_dtype: str = "auto"  # one of KV_DTYPES; part of the namespace
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -103,6 +107,10 @@ class CacheConfig:
         k = self.snapshot_interval_blocks
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"snapshot_interval_blocks must be an integer >= 1, got {k!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}"
+            )
         if self.hash_algorithm not in ("xxh3_128", "sha256"):
             raise ValueError(
                 f"hash_algorithm must be 'xxh3_128' or 'sha256', got {self.hash_algorithm!r}"

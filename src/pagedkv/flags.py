@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.config import CacheConfig, default_ssd_cache_dir, parse_size
+from pagedkv.config import KV_DTYPES, CacheConfig, default_ssd_cache_dir, parse_size
 
 if TYPE_CHECKING:
     from pagedkv.engine.scheduler import SchedulerConfig
@@ -86,6 +86,13 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         choices=["xxh3_128", "sha256"],
     )
     p.add_argument(
+        "--kv-dtype",
+        default=env("--kv-dtype", "auto"),
+        choices=list(KV_DTYPES),
+        help="how KV is held, live and in every tier: the model's dtype (auto), bfloat16, "
+        "float16, or int8 with a scale per token and head (see docs/usage.md)",
+    )
+    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         default=env_bool("--no-prefix-cache"),
@@ -153,4 +160,5 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         hash_algorithm=args.hash_algorithm,
         enable_prefix_caching=not args.no_prefix_cache,
         snapshot_interval_blocks=getattr(args, "snapshot_interval_blocks", 1),
+        kv_dtype=getattr(args, "kv_dtype", "auto"),
     )

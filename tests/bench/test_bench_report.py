@@ -58,7 +58,10 @@ def test_summary_adds_up_the_requests() -> None:
         cached_wall_s=2.0,
         cold_wall_s=3.0,
         wall_s=6.0,
+        extra={"kv_bytes_per_token": 23040},
     )
+    head, _, row = format_table([s]).splitlines()
+    assert "KV B/token" in head and " 23040 " in row
     assert s["requests"] == 3
     assert s["reused_tokens"] == 150 and s["ideal_reused_tokens"] == 154
     assert s["reuse_ratio"] == pytest.approx(150 / 154)

@@ -83,6 +83,7 @@ def run_local(args: argparse.Namespace, names: Sequence[str], size: str) -> list
 
     adapter = load_model(args.model, device=args.device, dtype=args.dtype)
     base = cache_config_from_args(args)
+    adapter.set_kv_dtype(base.kv_dtype)  # so kv_bytes_per_token below sizes the RAM tier
     parent: Path | None = None
     if base.ssd_cache_dir is not None and Path(base.ssd_cache_dir) != default_ssd_cache_dir():
         parent = Path(base.ssd_cache_dir)  # an explicit disk: the fresh directory goes there
@@ -248,6 +249,10 @@ def run_workload(
             "description": workload.description,
             "concurrency": concurrency,
             "block_size": config.block_size,
+            "kv_dtype": config.kv_dtype,
+            "kv_bytes_per_token": (
+                stats.cache.bytes_per_token if stats.cache else adapter.kv_bytes_per_token
+            ),
             "ram_cache_bytes": config.ram_cache_bytes,
             "tiers": ["ram"]
             + (["ssd"] if config.ssd_cache_dir else [])

@@ -19,7 +19,10 @@ class KVLayout:
     empty: every layer is full): a restore copies a sliding layer's last window
     only. `state_numel` is the size of one recurrent-state snapshot (float32
     values; 0: the model has no recurrent layers), kept beside the block that
-    ends where it was taken."""
+    ends where it was taken.
+
+    `head_dim` and `dtype` are those of a stored row, which for 8-bit KV is bytes: the
+    values and their scale (the engine hands them over from `model.kv_format`)."""
 
     num_layers: int
     num_kv_heads: int

@@ -59,6 +59,8 @@ class Engine:
         self.max_queue = max_queue
         self.scheduling = scheduling or SchedulerConfig()
         self.caching_off_reason: str | None = None
+        # Before any buffer exists, with caching on or off: the same rounding either way.
+        adapter.set_kv_dtype(self.config.kv_dtype)
         self.prefix: PrefixCache | None = self._build_prefix_cache()
         budget = self.config.kv_budget_bytes
         self.kv_budget_bytes = default_kv_budget_bytes() if budget is None else budget
@@ -107,9 +109,9 @@ class Engine:
         layout = KVLayout(
             adapter.num_kv_layers,
             adapter.num_kv_heads,
-            adapter.head_dim,
+            adapter.kv_format.row_width,
             config.block_size,
-            adapter.dtype,
+            adapter.kv_format.storage_dtype,
             windows=adapter.kv_windows if any(adapter.kv_windows) else (),
             state_numel=state.numel if state is not None else 0,
         )

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
+from pagedkv.model.kv_format import KVFormat
+
 ATTENTION_NAME = "pagedkv_ragged"
 # Multiple of the CPU flash-attention kernel's key block (512), so a sliding window's
 # first key block starts at the same absolute position however a prefill was chunked.
@@ -79,6 +81,7 @@ class RaggedPlan:
     chunks: list[SeqChunk]
     offsets: list[int]
     num_rows: int  # rows that belong to chunks; rows past it are padding
+    kv_format: KVFormat | None = None  # how the buffers hold KV; None: the model's dtype
     _spans: dict[int | None, list[_Span]] = field(default_factory=dict)
 
     def spans(self, window: int | None, device: torch.device) -> list[_Span]:
@@ -159,21 +162,30 @@ def ragged_attention(
                  is_causal=s.causal, scale=scaling, enable_gqa=gqa)  # fmt: skip
         return o.transpose(1, 2).contiguous(), None
     layer = int(module.layer_idx)  # type: ignore[arg-type]
+    fmt = pagedkv_plan.kv_format
+    plain = fmt is None or (not fmt.scaled and fmt.storage_dtype == query.dtype)
     kv_heads, head_dim = key.shape[1], query.shape[3]
     outs = []
     for s in pagedkv_plan.spans(window, query.device):
         rows = slice(s.first, s.first + s.n)
-        torch.stack((key[0, :, rows], value[0, :, rows]), out=s.new[layer])
+        new = torch.stack((key[0, :, rows], value[0, :, rows]), out=s.new[layer] if plain else None)
+        keys, values = s.keys[layer], s.values[layer]
+        if not plain:
+            # Attention reads back what was stored, the chunk just written included: the
+            # fresh path sees the same rounded values a restored prefix brings.
+            assert fmt is not None
+            fmt.write(s.new[layer], new)
+            keys, values = fmt.read(keys, query.dtype), fmt.read(values, query.dtype)
         q = query[:, :, rows]
         if s.n == 1 and s.mask is None:
             # A decode row: the query heads sharing a KV head become rows of that head.
             # `enable_gqa` measured up to 1.5x slower per step at 1K context (8 sequences):
             # it expands keys and values to every query head.
             grouped = q.reshape(1, kv_heads, -1, head_dim)
-            o = sdpa(grouped, s.keys[layer], s.values[layer], scale=scaling).reshape(q.shape)
+            o = sdpa(grouped, keys, values, scale=scaling).reshape(q.shape)
         else:
-            o = sdpa(q, s.keys[layer], s.values[layer], attn_mask=s.mask, is_causal=s.causal,
-                     scale=scaling, enable_gqa=gqa)  # fmt: skip
+            o = sdpa(q, keys, values, attn_mask=s.mask, is_causal=s.causal, scale=scaling,
+                     enable_gqa=gqa)  # fmt: skip
         outs.append(o)
     pad = query.shape[2] - pagedkv_plan.num_rows
     if pad:
@@ -186,7 +198,10 @@ AttentionInterface.register(ATTENTION_NAME, ragged_attention)
 
 
 def plan_batch(
-    chunks: list[SeqChunk], pad_rows: Callable[[int], int] | None = None, device: Any = "cpu"
+    chunks: list[SeqChunk],
+    pad_rows: Callable[[int], int] | None = None,
+    device: Any = "cpu",
+    kv_format: KVFormat | None = None,
 ) -> tuple[RaggedPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plan, input ids `[1, rows]`, position ids `[1, rows]` and the rows whose
     logits are wanted, in chunk order. `pad_rows(n)` (see `DeterministicRows`) gives
@@ -211,7 +226,7 @@ def plan_batch(
         positions.extend([0] * pad)
         if keep:
             keep.extend([keep[-1]] * (pad_rows(len(keep)) - len(keep)))
-    plan = RaggedPlan(chunks, offsets, row)
+    plan = RaggedPlan(chunks, offsets, row, kv_format)
     ids_t = torch.tensor([ids], dtype=torch.long, device=device)
     positions_t = torch.tensor([positions], dtype=torch.long, device=device)
     return plan, ids_t, positions_t, torch.tensor(keep, dtype=torch.long, device=device)

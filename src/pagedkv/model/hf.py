@@ -26,6 +26,7 @@ from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
 from pagedkv.model.fingerprint import config_identity, weights_digest
 from pagedkv.model.kinds import LayerKinds, read_layer_kinds
+from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.kv_layer import GrowableLayer
 from pagedkv.model.linear import tune_linears
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
@@ -101,6 +102,7 @@ class ModelAdapter:
             or min(getattr(tokenizer, "model_max_length", 2048), 2048)
         )
         self.eos_token_ids: tuple[int, ...] = _eos_token_ids(model, tokenizer)
+        self.kv_format: KVFormat = kv_format("auto", self.dtype, self.head_dim)
 
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -143,9 +145,19 @@ class ModelAdapter:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V, all KV layers, for one token in the model's dtype."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return max(1, self.num_kv_layers) * 2 * self.num_kv_heads * self.head_dim * element
+        """Bytes of K and V, all KV layers, for one token as `kv_format` stores it."""
+        return max(1, self.num_kv_layers) * 2 * self.num_kv_heads * self.kv_format.bytes_per_row
+
+    def set_kv_dtype(self, name: str) -> None:
+        """Hold KV as `name` (see `model.kv_format`) in every buffer made from now on.
+        One format at a time: the engine sets it once, before its first request."""
+        fmt = kv_format(name, self.dtype, self.head_dim)
+        if fmt.name != "auto" and not self.batched:
+            raise ModelNotSupportedError(
+                f"kv_dtype {name!r} needs the ragged batch, and {self.name} runs through "
+                f"transformers' own cache ({self.unbatched_reason}); use kv_dtype 'auto'"
+            )
+        self.kv_format = fmt
 
     def fingerprint(self, block_size: int) -> str:
         """Namespace of this model's KV blocks: a hex digest of the config
@@ -161,8 +173,10 @@ class ModelAdapter:
                 },
                 sort_keys=True,
             )
-        payload = f"{self._identity}|block_size={int(block_size)}".encode()
-        return hashlib.sha256(payload).hexdigest()[:32]
+        payload = f"{self._identity}|block_size={int(block_size)}"
+        if self.kv_format.name != "auto":  # auto keeps the namespaces cached before it
+            payload += f"|kv_dtype={self.kv_format.name}"
+        return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
     # ---- KV cache -------------------------------------------------------
 
@@ -280,11 +294,13 @@ class ModelAdapter:
 
     def new_kv_buffer(self, capacity: int) -> torch.Tensor:
         """An empty KV buffer for one sequence, `[num_kv_layers, 2, kv_heads, capacity,
-        head_dim]` (the ragged batch runs only models whose every layer keeps KV)."""
-        shape = (self.num_kv_layers, 2, self.num_kv_heads, capacity, self.head_dim)
+        row_width]` of `kv_format`'s storage dtype (row_width is head_dim but for 8-bit
+        KV; the ragged batch runs only models whose every layer keeps KV)."""
+        fmt = self.kv_format
+        shape = (self.num_kv_layers, 2, self.num_kv_heads, capacity, fmt.row_width)
         if self.device.type != "cpu":
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
-        return mapped_empty(shape, self.dtype)
+            return torch.empty(shape, dtype=fmt.storage_dtype, device=self.device)
+        return mapped_empty(shape, fmt.storage_dtype)
 
     def forward_batch(
         self, chunks: list[SeqChunk], pad_rows: Callable[[int], int] | None = None
@@ -292,7 +308,7 @@ class ModelAdapter:
         """One forward over every chunk (see `model.batch`); each chunk's KV lands in its
         buffer. Returns the float32 logits `[wanted, vocab]` of the chunks that want
         them, in chunk order. `pad_rows` pads the batch (`DeterministicRows`)."""
-        plan, ids, positions, keep = plan_batch(chunks, pad_rows, self.device)
+        plan, ids, positions, keep = plan_batch(chunks, pad_rows, self.device, self.kv_format)
         wanted = sum(c.want_logits for c in chunks)
         with torch.inference_mode():
             out = self.model(

@@ -4,7 +4,8 @@ A tier stores whole blocks: the keys and values of every layer for up to
 `block_size` tokens, plus the metadata that lets a reader verify a hit (the
 block's hash, its parent key, its token ids and the model namespace). Tiers
 know nothing about models: a block's KV is one tensor
-`[num_layers, 2, num_kv_heads, num_tokens, head_dim]` in the model's dtype.
+`[num_layers, 2, num_kv_heads, num_tokens, head_dim]` as the engine's KV format
+stores it (the model's dtype, 16-bit floats, or 8-bit rows with their scales as bytes).
 """
 
 from __future__ import annotations

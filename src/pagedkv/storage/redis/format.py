@@ -39,6 +39,7 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.float64,
         torch.float8_e4m3fn,
         torch.float8_e5m2,
+        torch.uint8,  # 8-bit KV rows with their scales (pagedkv.model.kv_format)
     )
 }
 # torch warns, once per process, when a tensor wraps an immutable buffer, which

@@ -228,6 +228,13 @@ class SSDIndex:
         )
         return {ns: NamespaceUsage(n, size) for ns, n, size in rows}
 
+    def tokens_per_namespace(self) -> dict[str, int]:
+        """Cached tokens by namespace; a scan of every row (maintenance only)."""
+        rows = self._conn().execute(
+            "SELECT namespace, SUM(num_tokens) FROM blocks GROUP BY namespace"
+        )
+        return {ns: int(n) for ns, n in rows}
+
     def all_rows(self) -> dict[bytes, IndexRow]:
         rows = self._conn().execute("SELECT hash, namespace, num_bytes, checksum FROM blocks")
         return {h: IndexRow(ns, size, checksum) for h, ns, size, checksum in rows}

@@ -65,13 +65,17 @@ class CheckReport:
 
 @dataclass
 class DirectoryStats:
-    """Blocks and bytes in a cache directory, in total and per namespace."""
+    """Blocks and bytes in a cache directory, in total and per namespace.
+    `bytes_per_token`: file bytes (KV, token ids, header) per cached token, by namespace:
+    what a token of each model and KV dtype costs on this disk."""
 
     directory: str
     num_blocks: int
     bytes_used: int
     namespaces: dict[str, NamespaceUsage]
     has_seed: bool
+    num_tokens: int = 0
+    bytes_per_token: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -255,12 +259,17 @@ def open_index(root: Path) -> SSDIndex:
 
 def _stats(root: Path, index: SSDIndex) -> DirectoryStats:
     usage = index.usage()
+    tokens = index.tokens_per_namespace()
     return DirectoryStats(
         directory=str(root),
         num_blocks=sum(u.num_blocks for u in usage.values()),
         bytes_used=sum(u.num_bytes for u in usage.values()),
         namespaces=usage,
         has_seed=(root / SEED_NAME).is_file(),
+        num_tokens=sum(tokens.values()),
+        bytes_per_token={
+            ns: round(u.num_bytes / tokens[ns], 1) for ns, u in usage.items() if tokens.get(ns)
+        },
     )
 
 
