@@ -113,6 +113,7 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         "reused/ideal",
         "ratio",
         "tier hits (tokens)",
+        "misses",
         "gen tok/s",
         "wall s",
     )
@@ -130,6 +131,8 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
                 f"{r['reused_tokens']}/{'-' if ideal is None else ideal}",
                 "-" if r["reuse_ratio"] is None else f"{r['reuse_ratio']:.3f}",
                 hits,
+                ", ".join(f"{k} {v}" for k, v in sorted((r.get("miss_reasons") or {}).items()))
+                or "-",
                 "-"
                 if r["generated_tokens_per_s"] is None
                 else f"{r['generated_tokens_per_s']:.1f}",
