@@ -5,8 +5,9 @@ the bundled model, with the tiers `pagedkv serve` has by default (RAM and SSD).
 
 The bundled model's context is 8K, so a 32K prompt can never be cached whole: the
 first `--cached` tokens are (one real generation), the rest is looked up in RAM,
-then in the SSD index, block by block. Cases: "diverged" (the cached prefix, then
-new tokens), "new" (another cache_salt: nothing to find), "evicted" (after a
+then in the SSD index, block by block. Cases: "prefix" (the cached 4K found in
+RAM, the 28K after it asked of the SSD index; its miss is "new": no prompt went
+further), "new" (another cache_salt: nothing to find), "evicted" (after a
 clear). Every case hashes all 32K tokens; explain never runs the model.
 """
 
@@ -52,7 +53,7 @@ def main() -> None:
                 f"miss {None if miss is None else (miss.token_index, miss.reason)}"
             )
 
-        timed("diverged", None)
+        timed("prefix", None)
         timed("new", "another-tenant")
         engine.clear_cache()
         timed("evicted", None)
