@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=env("--url"),
         help="run against a running OpenAI-compatible server instead",
     )
+    bench.add_argument(
+        "--api",
+        choices=["openai", "anthropic"],
+        default=env("--api", "openai"),
+        help="with --url: chat completions (default) or the Anthropic Messages route",
+    )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
         "--concurrency",

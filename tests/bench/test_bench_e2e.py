@@ -147,3 +147,28 @@ def test_bench_with_several_users_at_once(
         if not remote:  # the ideal is exact locally, an estimate through the API
             assert r["reused_tokens"] <= r["ideal_reused_tokens"], "reused KV the ideal never saw"
             assert r["outputs_identical"] == r["outputs_compared"] == r["requests"]
+
+
+def test_bench_through_the_anthropic_route_reuses_as_much_as_the_openai_one(
+    tiny_llama_dir: Path, tmp_path: Path, server_url: str
+) -> None:
+    figures = {}
+    for api in ("openai", "anthropic"):
+        out = tmp_path / api
+        args = _args(tiny_llama_dir, out, tmp_path / "ssd", "chat", "shared-prefix")
+        args.url = server_url  # type: ignore[attr-defined]
+        args.api = api  # type: ignore[attr-defined]
+        assert main(args) == 0  # type: ignore[arg-type]
+        results = json.loads((out / "results.json").read_text())
+        assert all(r["api"] == api and r["cold_reused_tokens"] == 0 for r in results)
+        figures[api] = [
+            (r["workload"], r["prompt_tokens"], r["reused_tokens"], r["miss_reasons"])
+            for r in results
+        ]
+        # Every request is accounted for: a hit, or the cause of its first miss.
+        for r in results:
+            assert sum(r["miss_reasons"].values()) == r["requests"]
+            assert r["miss_reasons"].get("new", 0) >= 1  # the first turn of a session
+            assert r["miss_reasons"].get("evicted", 0) == 0  # 64 MiB: nothing leaves
+    # Same conversations, greedy: the same prompts, the same reuse, the same causes.
+    assert figures["anthropic"] == figures["openai"]

@@ -3,6 +3,7 @@ evicted by capacity and by a clear, another tenant; and that explaining changes 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,3 +124,16 @@ def test_history_is_bounded_and_forgets_the_oldest() -> None:
     assert len(history) == 3
     assert [e.token_ids[0] for e in history.children(b"p0")] == [4, 2]
     assert [e.token_ids[0] for e in history.children(b"p1")] == [3]
+
+
+def test_each_request_logs_its_attribution_at_debug_level(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompt = random_prompt(106, 3 * BS + 1)
+    with caplog.at_level(logging.DEBUG, logger="pagedkv.engine.worker"):
+        engine.generate(prompt, GREEDY, cache_salt="logged")
+        engine.generate(prompt, GREEDY, cache_salt="logged")
+    lines = [r.getMessage() for r in caplog.records if "prefix lookup" in r.getMessage()]
+    assert len(lines) == 2
+    assert f"0 of {len(prompt)} prompt tokens cached" in lines[0] and "miss at 0: new" in lines[0]
+    assert f"{len(prompt) - 1} of {len(prompt)}" in lines[1] and "no miss" in lines[1]

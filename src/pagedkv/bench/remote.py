@@ -13,6 +13,14 @@ pass: the same messages, each request with its own fresh salt, so nothing is
 reused; a server that ignores `cache_salt` shows up as `cold_reused_tokens`.
 The restart workload needs to restart the server and is skipped.
 
+`--api anthropic` sends the same conversations to `POST /v1/messages` with the
+`anthropic` client (system messages as `system`); reused tokens are then
+`usage.cache_read_input_tokens`, the prompt the sum of the three input counts.
+Before each cached-pass request the bench asks `POST /v1/cache/explain` (same
+messages and salt) why that request's first recomputed token will miss, and
+reports the tally per workload (`miss_reasons`; left out when the server has
+no such endpoint).
+
 The ideal cache needs token ids, which the API does not return: prompts are
 rendered with the local tokenizer of `--model` (checked against the server's
 `prompt_tokens`), and each answer's ids are its text re-encoded, so the ideal
@@ -127,11 +135,89 @@ def _chat(client: Any, model: str, messages: list[Message], max_tokens: int, sal
     )
 
 
-def run_remote(args: argparse.Namespace, names: Sequence[str], size: str) -> list[dict[str, Any]]:
-    from openai import OpenAI
+def _chat_anthropic(
+    client: Any, model: str, messages: list[Message], max_tokens: int, salt: str
+) -> _Reply:
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    turns = [dict(m) for m in messages if m["role"] != "system"]
+    kwargs: dict[str, Any] = {"system": system} if system else {}
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    parts: list[str] = []
+    with client.messages.stream(
+        model=model,
+        messages=turns,
+        max_tokens=max_tokens,
+        extra_body={"cache_salt": salt, "temperature": 0.0},
+        **kwargs,
+    ) as stream:
+        for text in stream.text_stream:
+            if text:
+                parts.append(text)
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+        final = stream.get_final_message()
+    total = time.perf_counter() - t0
+    u = final.usage
+    cached = int(u.cache_read_input_tokens or 0)
+    prompt = int(u.input_tokens) + cached + int(u.cache_creation_input_tokens or 0)
+    finish = "length" if final.stop_reason == "max_tokens" else "stop"
+    return _Reply(
+        "".join(parts),
+        ttft if ttft is not None else total,
+        total,
+        prompt,
+        cached,
+        int(u.output_tokens),
+        finish,
+    )
 
-    key = os.environ.get("PAGEDKV_API_KEY") or os.environ.get("OPENAI_API_KEY") or "none"
-    client = OpenAI(base_url=api_base(args.url), api_key=key, timeout=600.0)
+
+class _Api:
+    """One API of the server: how a chat turn is sent, and the explain endpoint."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import httpx
+        from openai import OpenAI
+
+        key = os.environ.get("PAGEDKV_API_KEY") or os.environ.get("OPENAI_API_KEY") or "none"
+        self.openai = OpenAI(base_url=api_base(args.url), api_key=key, timeout=600.0)
+        self.kind = getattr(args, "api", "openai") or "openai"
+        self.anthropic: Any = None
+        if self.kind == "anthropic":
+            from anthropic import Anthropic
+
+            root = api_base(args.url).removesuffix("/v1")
+            self.anthropic = Anthropic(base_url=root, api_key=key, timeout=600.0)
+        headers = {"Authorization": f"Bearer {key}"}
+        self.http = httpx.Client(base_url=api_base(args.url), headers=headers, timeout=60.0)
+        self.explain_ok = True
+
+    def chat(self, model: str, messages: list[Message], max_tokens: int, salt: str) -> _Reply:
+        if self.anthropic is not None:
+            return _chat_anthropic(self.anthropic, model, messages, max_tokens, salt)
+        return _chat(self.openai, model, messages, max_tokens, salt)
+
+    def miss_reason(self, model: str, messages: list[Message], salt: str) -> str | None:
+        """Why the next request with these messages will miss: "hit" when it will not."""
+        if not self.explain_ok:
+            return None
+        body = {"model": model, "messages": messages, "cache_salt": salt}
+        try:
+            r = self.http.post("/cache/explain", json=body)
+        except Exception:
+            self.explain_ok = False
+            return None
+        if r.status_code != 200:
+            self.explain_ok = False
+            return None
+        miss = r.json().get("miss")
+        return "hit" if miss is None else str(miss.get("reason"))
+
+
+def run_remote(args: argparse.Namespace, names: Sequence[str], size: str) -> list[dict[str, Any]]:
+    api = _Api(args)
+    client = api.openai
     try:
         model = client.models.list().data[0].id
     except Exception:  # a server without /v1/models: trust --model
@@ -144,12 +230,12 @@ def run_remote(args: argparse.Namespace, names: Sequence[str], size: str) -> lis
             continue
         workload = build_workload(name, size, args.seed)
         concurrency = getattr(args, "concurrency", 1)
-        results.append(_run_workload(client, model, workload, local, concurrency))
+        results.append(_run_workload(api, model, workload, local, concurrency))
     return results
 
 
 def _run_workload(
-    client: Any,
+    api: _Api,
     model: str,
     workload: Any,
     local: tuple[Renderer, Any] | None,
@@ -171,6 +257,7 @@ def _run_workload(
 
     submitted: list[tuple[int, list[int] | None]] = []  # (step, local prompt ids)
     answers: dict[int, list[int]] = {}
+    misses: dict[str, int] = {}
 
     def cached_step(i: int) -> None:
         step = workload.steps[i]
@@ -179,7 +266,11 @@ def _run_workload(
         prompt = local[0](history) if local is not None else None
         with lock:
             submitted.append((i, prompt))
-        reply = _chat(client, model, history, step.max_tokens, salt)
+        reason = api.miss_reason(model, history, salt)
+        if reason is not None:
+            with lock:
+                misses[reason] = misses.get(reason, 0) + 1
+        reply = api.chat(model, history, step.max_tokens, salt)
         if prompt is not None and local is not None:
             if len(prompt) != reply.prompt_tokens:
                 with lock:
@@ -219,8 +310,7 @@ def _run_workload(
 
     def cold_step(i: int) -> None:
         rec, messages = done[i]
-        reply = _chat(
-            client,
+        reply = api.chat(
             model,
             messages,
             max(1, rec.generated_tokens),
@@ -260,6 +350,8 @@ def _run_workload(
             "concurrency": concurrency,
             "cold_pass": "same messages, a fresh random cache_salt per request",
             "ideal_method": "estimate: local prompt ids + re-encoded answer text",
+            "api": api.kind,
+            "miss_reasons": misses if api.explain_ok else None,
             "notes": notes,
         },
     )

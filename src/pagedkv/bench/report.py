@@ -114,6 +114,7 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         "ratio",
         "tier hits (tokens)",
         "KV B/token",
+        "misses",
         "gen tok/s",
         "wall s",
     )
@@ -132,6 +133,8 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
                 "-" if r["reuse_ratio"] is None else f"{r['reuse_ratio']:.3f}",
                 hits,
                 str(r.get("kv_bytes_per_token") or "-"),  # a remote server does not say
+                ", ".join(f"{k} {v}" for k, v in sorted((r.get("miss_reasons") or {}).items()))
+                or "-",
                 "-"
                 if r["generated_tokens_per_s"] is None
                 else f"{r['generated_tokens_per_s']:.1f}",

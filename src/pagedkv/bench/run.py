@@ -140,6 +140,7 @@ def run_workload(
     )
 
     submitted: list[tuple[int, list[int]]] = []  # (step, prompt) in submission order
+    misses: dict[str, int] = {}  # why each request's first recomputed token missed
 
     def cached_step(i: int) -> None:
         step = workload.steps[i]
@@ -149,6 +150,9 @@ def run_workload(
         params = SamplingParams(max_tokens=step.max_tokens, temperature=0.0)
         with lock:
             submitted.append((i, prompt))
+            miss = engine.explain(prompt).miss
+            reason = "hit" if miss is None else miss.reason
+            misses[reason] = misses.get(reason, 0) + 1
             stream = engine.stream(prompt, params)
         r = None
         for event in stream:
@@ -261,6 +265,7 @@ def run_workload(
             "output length, ignore_eos, same concurrency",
             "ideal_method": "exact: prompt ids + generated ids of the cached pass",
             "prompt_format": render.kind,
+            "miss_reasons": misses,
             "cache_stats": dataclasses.asdict(stats),
             "notes": notes,
         },

@@ -267,6 +267,8 @@ class Engine:
             if isinstance(prompt, str)
             else _check_ids(prompt, self.vocab_size)
         )
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
         if self.prefix is None:
             return caching_off(len(ids), self.caching_off_reason)
         extra = ExtraKeys(cache_salt=cache_salt) if cache_salt else None

@@ -280,7 +280,12 @@ def create_app(
         check_open(body.model)
         ids, _ = await chat_prompt(body)
         salt = tenant.cache_salt(body.cache_salt)
-        answer = await to_thread.run_sync(functools.partial(engine.explain, ids, cache_salt=salt))
+        try:
+            answer = await to_thread.run_sync(
+                functools.partial(engine.explain, ids, cache_salt=salt)
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from exc
         return JSONResponse(answer.to_json())
 
     @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})

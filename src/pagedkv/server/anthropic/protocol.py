@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from pagedkv.server.protocol import StopText, Text, _Request
 
@@ -69,3 +69,13 @@ class MessagesRequest(CountTokensRequest):
         max_length=256,
         description="extension; isolates this request's cached prefixes further",
     )
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail

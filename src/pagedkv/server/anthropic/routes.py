@@ -12,18 +12,33 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.server.anthropic.convert import to_chat_request
-from pagedkv.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pagedkv.server.anthropic.protocol import (
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    MessagesRequest,
+)
 from pagedkv.server.anthropic.render import AnthropicReply, ReplyOptions
 from pagedkv.server.authn import TenantDep
 from pagedkv.server.generation import Generation
 from pagedkv.server.protocol import ChatCompletionRequest
 from pagedkv.server.tools.output import ToolMode
 
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": AnthropicErrorResponse} for status in (400, 401, 404, 413, 429, 503)
+}
+STREAMS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    200: {
+        "description": "a message, or with `stream: true` Anthropic's server-sent events",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
+}
 ChatPrompt = Callable[[ChatCompletionRequest], Awaitable[tuple[list[int], ToolMode | None]]]
 StartGeneration = Callable[..., Awaitable[Generation]]
 
@@ -39,7 +54,7 @@ class MessagesContext:
 
 
 def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
-    @app.post("/v1/messages", tags=["anthropic"])
+    @app.post("/v1/messages", tags=["anthropic"], responses=STREAMS)
     async def messages(request: Request, body: MessagesRequest, tenant: TenantDep) -> Response:
         arrived = time.perf_counter()
         ctx.check_open(body.model)
@@ -63,7 +78,7 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @app.post("/v1/messages/count_tokens", tags=["anthropic"])
+    @app.post("/v1/messages/count_tokens", tags=["anthropic"], responses=ERRORS)
     async def count_tokens(body: CountTokensRequest, tenant: TenantDep) -> Response:
         ctx.check_open(body.model)
         ids, _ = await ctx.chat_prompt(to_chat_request(body))

@@ -1,0 +1,82 @@
+"""POST /v1/cache/explain on a real server subprocess: the answer's shape, and that it
+agrees with what the next request reuses, per key."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from server_proc import ServerProc, running, start_server, tools_model_dir
+
+pytestmark = pytest.mark.slow
+__all__ = ["tools_model_dir"]  # a fixture, used by name
+
+KEY_A, KEY_B = "key-a", "key-b"
+
+
+@pytest.fixture(scope="module")
+def server(tools_model_dir: Path) -> Iterator[ServerProc]:
+    yield from running(start_server(tools_model_dir, api_keys=[KEY_A, KEY_B]))
+
+
+def conversation(tag: str, question: str) -> list[dict[str, str]]:
+    system = f"[{tag}] You answer questions about caches, blocks, hashes and the quick brown fox."
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def explain(server: ServerProc, key: str, messages: Any, **extra: Any) -> dict[str, Any]:
+    with server.http(key) as http:
+        r = http.post("/v1/cache/explain", json={"messages": messages, **extra})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_explain_agrees_with_the_next_request_and_hides_other_keys(server: ServerProc) -> None:
+    tag = uuid.uuid4().hex
+    first = conversation(tag, "What is a prefix cache?")
+    new = explain(server, KEY_A, first)
+    assert new["cached_tokens"] == 0 and new["miss"]["reason"] == "new"
+    assert set(new) == {"prompt_tokens", "cached_tokens", "tiers", "miss"}
+    assert set(new["tiers"]) == {"ram", "ssd", "redis"}
+    client = server.client(KEY_A)
+    done = client.chat.completions.create(model="tiny", messages=first, max_tokens=4)  # type: ignore[arg-type]
+    assert done.usage is not None and done.usage.prompt_tokens == new["prompt_tokens"]
+    second = conversation(tag, "What is a block hash?")
+    exp = explain(server, KEY_A, second)
+    assert exp["miss"]["reason"] == "diverged"
+    reply = client.chat.completions.create(model="tiny", messages=second, max_tokens=4)  # type: ignore[arg-type]
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    assert reply.usage.prompt_tokens_details.cached_tokens == exp["cached_tokens"]
+    assert exp["miss"]["token_index"] == exp["cached_tokens"]
+    assert "What is a " in exp["miss"]["detail"] or "What" in exp["miss"]["detail"]
+    # Key B sees nothing of key A's prompts, whatever A cached or lost.
+    other = explain(server, KEY_B, first)
+    assert other["cached_tokens"] == 0 and other["miss"]["reason"] == "new"
+    assert other["miss"]["token_index"] == 0
+    # A cache_salt of A's narrows further: also new.
+    salted = explain(server, KEY_A, first, cache_salt="elsewhere")
+    assert salted["miss"]["reason"] == "new"
+
+
+def test_explain_after_a_clear_says_evicted(server: ServerProc) -> None:
+    messages = conversation(uuid.uuid4().hex, "Will this survive a clear?")
+    server.client(KEY_A).chat.completions.create(model="tiny", messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert explain(server, KEY_A, messages)["miss"] is None
+    with server.http(KEY_A) as http:
+        assert http.post("/v1/cache/clear").status_code == 200
+    exp = explain(server, KEY_A, messages)
+    assert exp["cached_tokens"] == 0
+    assert exp["miss"]["reason"] == "evicted" and "clear" in exp["miss"]["detail"]
+
+
+def test_explain_refuses_what_a_request_would_refuse(server: ServerProc) -> None:
+    with server.http(KEY_A) as http:
+        assert http.post("/v1/cache/explain", json={"messages": []}).status_code == 400
+        unknown = {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}
+        r = http.post("/v1/cache/explain", json=unknown)
+        assert r.status_code == 404
+    with server.http() as anonymous:
+        assert anonymous.post("/v1/cache/explain", json={"messages": []}).status_code == 401
