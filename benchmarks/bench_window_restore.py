@@ -7,7 +7,8 @@ NaN-filled buffer: once with the sliding windows in the layout, once as if every
 layer were full attention. Reported per restore: bytes copied into the buffer
 (counted as the elements the restore overwrote), RAM bytes read (the RAM gather
 reads exactly what it copies), SSD bytes read (the SSD tier's own counter, after
-a restart with empty RAM), and the RAM restore's time (median of 7).
+a restart with empty RAM; the sliding layers' KV is stored apart, `cache/split.py`),
+and the RAM restore's time (median of 7).
 
     .venv/bin/python benchmarks/bench_window_restore.py
 """
@@ -25,6 +26,7 @@ from pagedkv.cache.hashing import BlockHasher
 from pagedkv.cache.pool import BlockPool
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout, RamBlockStore
+from pagedkv.cache.split import WindowSplit
 from pagedkv.cache.tiers import LowerTiers
 from pagedkv.storage.ssd.store import SSDStore
 
@@ -37,8 +39,14 @@ def make_cache(layout: KVLayout, ssd: Path) -> PrefixCache:
     hasher = BlockHasher(BS, "bench", seed=b"seed")
     pool = BlockPool(BS, 2 * TOKENS // BS, hasher=hasher)
     tier = SSDStore(ssd, 4 * 2**30, "bench")
-    lower = LowerTiers([tier], (LAYERS, 2, HEADS, DIM))
-    return PrefixCache(pool, RamBlockStore(layout, 2 * TOKENS // BS), lower, "bench")
+    shape = (LAYERS, 2, HEADS, DIM)
+    split = None
+    if layout.windows:  # as cache/builder.py does: sliding layers stored apart
+        split = WindowSplit(layout.windows, shape)
+        shape = (len(split.full_rows), 2, HEADS, DIM)
+    lower = LowerTiers([tier], shape)
+    ram = RamBlockStore(layout, 2 * TOKENS // BS)
+    return PrefixCache(pool, ram, lower, "bench", split=split)
 
 
 def restore(cache: PrefixCache, prompt: list[int], kv: torch.Tensor) -> tuple[int, float, int]:

@@ -10,6 +10,7 @@ from pagedkv.cache.pool import BlockPool
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout, RamBlockStore
 from pagedkv.cache.snapshots import SnapshotStore
+from pagedkv.cache.split import WindowSplit
 from pagedkv.cache.tiers import LowerTiers
 from pagedkv.cache.window import LayerRun, restored_bytes, window_runs
 
@@ -24,16 +25,22 @@ def make_cache(*tiers: MemoryTier, layout: KVLayout = LAYOUT, state: int = 0) ->
     pool = BlockPool(BS, 64, hasher=hasher)
     snapshots = SnapshotStore(state, 2**20, list(tiers), "ns", BS) if state else None
     shape = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+    split = None
+    if layout.windows:  # as cache/builder.py does it
+        split = WindowSplit(layout.windows, shape)
+        shape = (len(split.full_rows), *shape[1:])
     lower = LowerTiers(list(tiers), shape)
-    return PrefixCache(pool, RamBlockStore(layout, 64), lower, "ns", snapshots)
+    return PrefixCache(pool, RamBlockStore(layout, 64), lower, "ns", snapshots, split)
 
 
 def test_runs_group_layers_by_the_first_block_they_need() -> None:
     # restore point 30: a window of 8 needs keys [23, 30), from block 5 (token 20) on
     runs = window_runs(LAYOUT.windows, 4, 30, BS)
-    assert runs == [LayerRun(0, 2, 5), LayerRun(2, 3, 0), LayerRun(3, 4, 5)]
+    # (rows in the stored parts: sliding layers 0, 1, 3 are rows 0, 1, 2 of theirs)
+    assert runs == [LayerRun(0, 2, 5, True, 0), LayerRun(2, 3, 0), LayerRun(3, 4, 5, True, 2)]
     assert window_runs((), 4, 30, BS) == [LayerRun(0, 4, 0)]
-    assert window_runs((8,), 1, 5, BS) == [LayerRun(0, 1, 0)]  # shorter than a window
+    # shorter than a window: a sliding layer needs all of it, still a run of its own
+    assert window_runs((8, None), 2, 5, BS) == [LayerRun(0, 1, 0, True), LayerRun(1, 2, 0)]
     # 4K tokens, window 128, block 64: a sliding layer copies 128 + 63 tokens at most
     per_layer = restored_bytes((128,), 4096, 64, 1)
     assert 127 <= per_layer <= 128 + 64 and restored_bytes((None,), 4096, 64, 1) == 4096
@@ -75,7 +82,19 @@ def test_a_sliding_layer_gets_its_window_from_ram_and_from_a_lower_tier() -> Non
     n, seen = _serve(first, prompt)  # from RAM
     assert n == len(prompt) - 1
     _check_window(seen, prompt, n)
-    fresh = make_cache(tier)  # a restart: RAM is empty, the tier has every block
+    # A restart: RAM is empty, the tier has every block. The restore reads the window
+    # parts of the blocks in the window only: blocks 5 and 6 and the 3-token tail.
+    parts = {WindowSplit.part_key(h) for h in first.begin(prompt).chain.hashes}
+    tier.gets.clear()
+    probe = make_cache(tier)
+    handle = probe.begin(prompt)
+    out = torch.full((*KV_SHAPE[:3], len(prompt), KV_SHAPE[3]), float("nan"))
+    assert handle.restore_into(out, len(prompt) - 1) == len(prompt) - 1
+    handle.release()
+    read_parts = [h for h in tier.gets if h not in tier.blocks or h not in parts]
+    assert len(tier.gets) - len(read_parts) == 2 and len(read_parts) == 7 + 1 + 1
+    _check_window(out, prompt, len(prompt) - 1)
+    fresh = make_cache(tier)
     n, seen = _serve(fresh, prompt)
     assert n == len(prompt) - 1
     _check_window(seen, prompt, n)

@@ -13,6 +13,7 @@ from pagedkv.cache.pool import BlockPool
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout, RamBlockStore
 from pagedkv.cache.snapshots import SnapshotStore
+from pagedkv.cache.split import WindowSplit
 from pagedkv.cache.tiers import LowerTiers
 from pagedkv.config import CacheConfig, default_ram_cache_bytes, default_ssd_cache_bytes
 from pagedkv.storage.base import KVTier
@@ -73,6 +74,11 @@ def build_prefix_cache(
         hasher=hasher,
     )
     kv_shape = (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim)
+    split = None
+    if any(w is not None for w in layout.windows):
+        split = WindowSplit(layout.windows, kv_shape)
+        # the lower tiers' block entries hold the full-attention layers only
+        kv_shape = (len(split.full_rows), 2, layout.num_kv_heads, layout.head_dim)
     log.info(
         "prefix cache: block size %d, RAM %.1f MiB (%d blocks), tiers: %s",
         config.block_size,
@@ -95,7 +101,7 @@ def build_prefix_cache(
             snapshots.nbytes,
             state_bytes / 2**20,
         )
-    return PrefixCache(pool, ram, LowerTiers(tiers, kv_shape), namespace, snapshots)
+    return PrefixCache(pool, ram, LowerTiers(tiers, kv_shape), namespace, snapshots, split)
 
 
 def resolve_seed(configured: bytes | str | None, tiers: list[KVTier]) -> bytes:

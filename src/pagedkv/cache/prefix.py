@@ -25,6 +25,7 @@ from pagedkv.cache.history import CacheHistory
 from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
 from pagedkv.cache.ram import RamBlockStore
 from pagedkv.cache.snapshots import SnapshotStore
+from pagedkv.cache.split import WindowSplit
 from pagedkv.cache.tiers import Found, LowerTiers
 from pagedkv.cache.window import copy_prefix
 from pagedkv.errors import OutOfBlocksError
@@ -59,8 +60,10 @@ class PrefixCache:
         lower: LowerTiers,
         namespace: str,
         snapshots: SnapshotStore | None = None,
+        split: WindowSplit | None = None,
     ) -> None:
         self.pool = pool
+        self.split = split  # None: lower tiers keep every layer of a block in one entry
         self.snapshots = snapshots  # None: the model keeps no recurrent state
         self.ram = ram
         self.lower = lower
@@ -119,7 +122,14 @@ class PrefixCache:
         kvs = self.ram.export([b.block_id for b, _ in cached], [b.num_tokens for b, _ in cached])
         by_source: dict[str | None, list[KVBlock]] = {}
         for (block, source), kv in zip(cached, kvs, strict=True):
-            by_source.setdefault(source, []).append(KVBlock(self._meta(block), kv))
+            meta = self._meta(block)
+            if self.split is None:
+                by_source.setdefault(source, []).append(KVBlock(meta, kv))
+                continue
+            main, window = self.split.split(kv)
+            # the window part first: a reader that finds a block finds its part too
+            by_source.setdefault(source, []).insert(0, self.split.part_block(meta, window))
+            by_source[source].append(KVBlock(meta, main))
         for source, kv_blocks in by_source.items():
             self.lower.put(kv_blocks, skip=source)
 
@@ -200,6 +210,8 @@ class RequestCache:
         # Their KV as the tier returned it: cached into RAM from here, not from the
         # request's buffers, where a sliding layer holds only its window.
         self._found_kv: list[torch.Tensor] = []
+        self._found_metas: list[BlockMeta] = []
+        self._found_parts: list[torch.Tensor | None] = []  # their window parts (split only)
         self._tail: Found | None = None
         # The recurrent state at the end of the restored prefix (models with state only).
         self.restored_state: torch.Tensor | None = None
@@ -259,10 +271,18 @@ class RequestCache:
                 )
                 n = blocks * bs
                 found = found[: max(0, blocks - len(full))]
+            parts: list[torch.Tensor | None] | None = None
+            if cache.split is not None:  # the sliding layers' KV, stored apart
+                stored = [f.block for f in found] + ([self._tail.block] if self._tail else [])
+                n, parts = cache.split.fetch_windows(cache.lower.tiers, stored, len(full), n, bs)
+                found = found[: max(0, min(len(found), -(-n // bs) - len(full)))]
+                if self._tail is not None and n <= num_full * bs:
+                    self._tail = None
+                self._found_parts = parts[: len(found)]
             ram_tokens = min(ram_tokens, n)
             ids = [b.block_id for b in full] + ([partial.block_id] if partial else [])
             pieces = [f.block.kv for f in found] + ([self._tail.block.kv] if self._tail else [])
-            copy_prefix(cache.ram, ids, ram_tokens, pieces, len(full), out, n)
+            copy_prefix(cache.ram, ids, ram_tokens, pieces, parts, len(full), out, n)
         except BaseException:
             for thread in prefault:
                 thread.join()
@@ -273,6 +293,7 @@ class RequestCache:
                 cache.pool.free([partial])
         self._sources = [f.tier for f in found]
         self._found_kv = [f.block.kv for f in found]
+        self._found_metas = [f.block.meta for f in found]
         self.num_cached_tokens = n
         self._count("ram", ram_tokens)
         for i, f in enumerate(found):
@@ -340,6 +361,7 @@ class RequestCache:
         twin.num_prompt_tokens = self.num_prompt_tokens
         twin.num_cached_tokens, twin.tier_hits = self.num_cached_tokens, dict(self.tier_hits)
         twin._sources, twin._tail, twin._found_kv = [], None, []
+        twin._found_metas, twin._found_parts = [], []
         twin.restored_state = None
         twin.table = self._cache.pool.fork(BlockTable("fork", self.table), "twin").blocks
         return twin
@@ -349,13 +371,21 @@ class RequestCache:
         `num_tokens`, into new RAM blocks and register them; returns the new blocks."""
         cache, bs = self._cache, self._cache.block_size
         start = len(self.table)
+        found, self._found_kv = self._found_kv, []
+        if found and cache.split is not None:
+            whole = cache.split.whole(
+                cache.lower.tiers, found, self._found_metas, self._found_parts
+            )
+            if len(whole) < len(found):  # a lost window part: nothing after it is whole
+                num_blocks = min(num_blocks, start + len(whole))
+            found = whole
         if num_blocks <= start:
             return []
         new = cache._allocate(num_blocks - start)
         if new is None:
             return []
         end = min(num_tokens, num_blocks * bs)
-        found, self._found_kv = self._found_kv[: len(new)], []
+        found = found[: len(new)]
         try:
             cache.ram.write_blocks([b.block_id for b in new[: len(found)]], found)
             if len(new) > len(found):
@@ -371,6 +401,7 @@ class RequestCache:
     def release(self) -> None:
         """Drop the handle's references; its cached blocks stay findable until evicted."""
         self._tail, self._found_kv, self.restored_state = None, [], None
+        self._found_metas, self._found_parts = [], []
         if self.table:
             self._cache.pool.free(self.table)
             self.table = []

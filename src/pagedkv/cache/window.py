@@ -28,32 +28,43 @@ from pagedkv.cache.ram import RamBlockStore
 
 @dataclass(frozen=True, slots=True)
 class LayerRun:
-    """Consecutive KV layers `[first, last)` that all need the prefix from block
-    `first_block` on."""
+    """Consecutive KV layers `[first, last)` of one kind (`windowed`: sliding) that all
+    need the prefix from block `first_block` on. `part_first`: the run's first row in
+    the stored part that holds its kind's layers (`cache.split`)."""
 
     first: int
     last: int
     first_block: int
+    windowed: bool = False
+    part_first: int = 0
 
     @property
     def layers(self) -> slice:
         return slice(self.first, self.last)
 
+    @property
+    def part_rows(self) -> slice:
+        return slice(self.part_first, self.part_first + self.last - self.first)
+
 
 def window_runs(
     windows: Sequence[int | None], num_layers: int, num_tokens: int, block_size: int
 ) -> list[LayerRun]:
-    """The layers of a restore of `num_tokens` tokens, grouped into runs that start at
-    the same block. `windows` empty: every layer is full attention, one run."""
+    """The layers of a restore of `num_tokens` tokens, grouped into runs of one kind
+    that start at the same block. `windows` empty: every layer is full, one run."""
     if not windows:
         return [LayerRun(0, num_layers, 0)]
     runs: list[LayerRun] = []
+    seen = {False: 0, True: 0}  # layers of each kind before this one
     for i, window in enumerate(windows):
+        windowed = window is not None
         first = 0 if window is None else max(0, num_tokens - window + 1) // block_size
-        if runs and runs[-1].first_block == first and runs[-1].last == i:
-            runs[-1] = LayerRun(runs[-1].first, i + 1, first)
+        last = runs[-1] if runs else None
+        if last and last.first_block == first and last.windowed == windowed and last.last == i:
+            runs[-1] = LayerRun(last.first, i + 1, first, windowed, last.part_first)
         else:
-            runs.append(LayerRun(i, i + 1, first))
+            runs.append(LayerRun(i, i + 1, first, windowed, seen[windowed]))
+        seen[windowed] += 1
     return runs
 
 
@@ -72,6 +83,7 @@ def copy_prefix(
     ram_ids: Sequence[int],
     ram_tokens: int,
     pieces: Sequence[torch.Tensor],
+    window_pieces: Sequence[torch.Tensor | None] | None,
     first_piece_block: int,
     out: torch.Tensor,
     n: int,
@@ -79,7 +91,9 @@ def copy_prefix(
     """Write tokens `[0, n)` of a prefix into `out` `[L, 2, H, >= n, D]`: `[0,
     ram_tokens)` from the RAM blocks `ram_ids`, the rest from `pieces` (lower-tier
     blocks' KV, the first of them block `first_piece_block`); each sliding layer from
-    its window's first block on. One gather per run of layers, never per token."""
+    its window's first block on. With `window_pieces` (`cache.split`) `pieces` hold
+    the full layers only and `window_pieces` the sliding layers, None outside the
+    window. One gather per run of layers, never per token."""
     bs = ram.layout.block_size
     for run in window_runs(ram.layout.windows, out.shape[0], n, bs):
         rows, start = out[run.layers], run.first_block * bs
@@ -90,10 +104,16 @@ def copy_prefix(
         lo = max(start, ram_tokens)
         if lo >= n:
             continue
+        source: Sequence[torch.Tensor | None] = pieces
+        part = run.layers
+        if window_pieces is not None:
+            source = window_pieces if run.windowed else pieces
+            part = run.part_rows
         left, taken = n - lo, []
-        for kv in pieces[lo // bs - first_piece_block :]:
+        for kv in source[lo // bs - first_piece_block :]:
+            assert kv is not None, "a window part the restore did not fetch"
             take = min(kv.shape[3], left)
-            taken.append(kv[run.layers, :, :, :take])
+            taken.append(kv[part, :, :, :take])
             left -= take
             if not left:
                 break
