@@ -73,6 +73,7 @@ def main() -> int:
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-quality", action="store_true", help="decode speed only")
     args = ap.parse_args()
     adapters = {w: load_model(args.model, dtype=w) for w in args.weights.split(",")}
     base = adapters[args.weights.split(",")[0]]
@@ -85,6 +86,10 @@ def main() -> int:
     for w, k in configs:
         adapter = adapters[w]
         adapter.set_kv_dtype(k)
+        if args.skip_quality:
+            results[(w, k)] = {"kl": float("nan"), "agree": float("nan"),
+                               "bytes": adapter.kv_bytes_per_token, "tps": 0.0}  # fmt: skip
+            continue
         logp = all_logits(adapter, ids, args.chunk)
         if reference is None:
             reference = logp
