@@ -181,3 +181,33 @@ def test_batched_preempting_requests_stay_exact(tiny_llama_dir: Path, kv_dtype: 
         sched = eng.cache_stats().scheduling
         assert sched is not None and sched.preemptions > 0
     _same(results, want)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_sliding_window_model_with_compact_kv_stays_exact_after_a_restart(
+    kv_dtype: str, tmp_path: Path
+) -> None:
+    """Compact KV and windowed restores together: a Gemma-3-style model (sliding and
+    global layers) answers a conversation longer than its window as it does with the
+    cache off, from RAM and from SSD after a restart."""
+    from fixtures_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "gemma3", arch="gemma3_text", seed=7)
+    shared = random_prompt(11, 45)  # several 16-token windows
+    prompts = [shared + random_prompt(12, 6), shared[:37] + random_prompt(13, 9)]
+    with _engine(model, kv_dtype, enable_prefix_caching=False) as off:
+        want = _answers(off, prompts)
+    ssd = tmp_path / "ssd"
+    with _engine(model, kv_dtype, ssd_cache_dir=ssd) as eng:
+        assert eng.prefix is not None, eng.cache_stats().caching_off_reason
+        _answers(eng, prompts[:1])
+        _same(_answers(eng, prompts), want)
+        eng.prefix.lower.tiers[0].flush()
+    with _engine(model, kv_dtype, ssd_cache_dir=ssd) as again:
+        got = []
+        for p in prompts:
+            r = again.generate(p, PARAMS)
+            assert r.cached_tokens > 0
+            assert r.logprobs is not None
+            got.append((r.token_ids, r.logprobs))
+        _same(got, want)
