@@ -95,6 +95,10 @@ class CacheConfig:
     redis_url: str | None = None
     hash_algorithm: str = "xxh3_128"
     hash_seed: bytes | str | None = None
+    # Authenticates stored blocks on SSD and Redis (see `storage.secret`); None: the
+    # file `cache_secret_file`, else $PAGEDKV_CACHE_SECRET, else no secret.
+    cache_secret: bytes | str | None = None
+    cache_secret_file: str | Path | None = None
     enable_prefix_caching: bool = True
     # Models with recurrent layers: snapshot the state every this many blocks.
     snapshot_interval_blocks: int = 1

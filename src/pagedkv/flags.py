@@ -81,6 +81,12 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         help="shared Redis tier, e.g. redis://127.0.0.1:6379/0",
     )
     p.add_argument(
+        "--cache-secret-file",
+        default=env("--cache-secret-file"),
+        help="file holding a secret that authenticates every block on SSD and Redis "
+        "(or set PAGEDKV_CACHE_SECRET); recommended for any shared store, see docs/security.md",
+    )
+    p.add_argument(
         "--hash-algorithm",
         default=env("--hash-algorithm", "xxh3_128"),
         choices=["xxh3_128", "sha256"],
@@ -157,6 +163,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         ssd_cache_dir=None if args.no_ssd_cache else Path(args.ssd_cache_dir).expanduser(),
         ssd_cache_bytes=parse_size(args.ssd_cache) if args.ssd_cache else None,
         redis_url=args.redis_url or None,
+        cache_secret_file=getattr(args, "cache_secret_file", None) or None,
         hash_algorithm=args.hash_algorithm,
         enable_prefix_caching=not args.no_prefix_cache,
         snapshot_interval_blocks=getattr(args, "snapshot_interval_blocks", 1),

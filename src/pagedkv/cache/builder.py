@@ -17,6 +17,7 @@ from pagedkv.cache.split import WindowSplit
 from pagedkv.cache.tiers import LowerTiers
 from pagedkv.config import CacheConfig, default_ram_cache_bytes, default_ssd_cache_bytes
 from pagedkv.storage.base import KVTier
+from pagedkv.storage.secret import CacheSecret, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def build_prefix_cache(
             layout.bytes_per_block,
         )
         return None
+    secret = load_secret(config.cache_secret, config.cache_secret_file)
     tiers: list[KVTier] = []
     if config.ssd_cache_dir is not None:
         from pagedkv.storage.ssd import SSDStore
@@ -57,13 +59,14 @@ def build_prefix_cache(
                 namespace,
                 namespace_quota_bytes=config.ssd_namespace_quota_bytes,
                 write_buffer_bytes=config.ssd_write_buffer_bytes,
+                secret=secret,
             )
         )
     if config.redis_url:
         from pagedkv.storage.redis import RedisStore
 
-        tiers.append(RedisStore(config.redis_url, namespace))
-    seed = resolve_seed(config.hash_seed, tiers)
+        tiers.append(RedisStore(config.redis_url, namespace, secret=secret))
+    seed = resolve_seed(config.hash_seed, tiers, secret)
     hasher = BlockHasher(config.block_size, namespace, config.hash_algorithm, seed)
     max_blocks = usable + 1  # block 0 is the pool's null block
     ram = RamBlockStore(layout, max_blocks, device=device)
@@ -104,15 +107,20 @@ def build_prefix_cache(
     return PrefixCache(pool, ram, LowerTiers(tiers, kv_shape), namespace, snapshots, split)
 
 
-def resolve_seed(configured: bytes | str | None, tiers: list[KVTier]) -> bytes:
-    """The hashing seed: the configured one, else the persistent tiers', else a random
-    seed for this process. Each tier in turn (SSD before Redis) is offered the seed
+def resolve_seed(
+    configured: bytes | str | None, tiers: list[KVTier], secret: CacheSecret | None = None
+) -> bytes:
+    """The hashing seed: the configured one, else the cache secret's, else the persistent
+    tiers', else a random seed for this process. A seed derived from the secret is
+    never offered to a tier to keep. Each tier in turn (SSD before Redis) is offered the seed
     so far and answers with the one it keeps, creating it from the offer when it has
     none; a later tier's answer wins, so every engine on one Redis agrees, and an
     SSD directory meeting a fresh Redis hands it its own seed."""
     if isinstance(configured, str):
         configured = configured.encode()
     seed = configured
+    if seed is None and secret is not None:
+        seed = secret.seed
     if seed is None:
         seed = os.urandom(16)
         for tier in tiers:

@@ -29,6 +29,7 @@ from redis.retry import Retry
 
 from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
 from pagedkv.storage.redis.format import decode_frame, encode_frame
+from pagedkv.storage.secret import CacheSecret
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class RedisStore(KVTier):
         write_queue_bytes: int = 256 * 1024**2,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        secret: CacheSecret | None = None,
     ) -> None:
         if ":" in namespace:
             raise ValueError(
@@ -166,6 +168,7 @@ class RedisStore(KVTier):
         self._skipped = 0
         self._stats_lock = threading.Lock()
         self._seed: bytes | None = None
+        self.secret = secret  # when set, every frame carries a MAC (not yet checked)
         self._queue: deque[KVBlock] = deque()
         self._queue_limit = write_queue_bytes
         self._queued_bytes = 0

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from pagedkv.errors import CacheCorruptionError
 from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
+from pagedkv.storage.secret import CacheSecret
 from pagedkv.storage.ssd.format import block_path, decode_file
 from pagedkv.storage.ssd.index import IndexRow, NamespaceUsage, SSDIndex
 from pagedkv.storage.ssd.io import read_file
@@ -88,10 +89,12 @@ class SSDStore(KVTier):
         read_threads: int = 4,
         put_wait_s: float = 0.05,
         fsync: bool = False,
+        secret: CacheSecret | None = None,
     ) -> None:
         if capacity_bytes < 0 or (namespace_quota_bytes is not None and namespace_quota_bytes < 0):
             raise ValueError("SSD capacity and quota must be >= 0 bytes")
         self.directory = Path(directory).expanduser()
+        self.secret = secret  # when set, every block file carries a MAC (not yet checked)
         self.capacity_bytes = int(capacity_bytes)
         self.namespace = namespace
         self.namespace_quota_bytes = namespace_quota_bytes
