@@ -142,6 +142,9 @@ def test_a_key_over_its_share_gets_429_while_another_key_is_served() -> None:
     assert r.status_code == 429 and r.json()["error"]["code"] == "key_share_exceeded"
     assert r.headers["retry-after"] == "1" and "--max-requests-per-key" in r.text
     assert engine.active == 2  # refused before it reached the engine
+    anthropic = {"model": "fake-model", "max_tokens": 1, "messages": USER}
+    r = client.post("/v1/messages", json=anthropic, headers={"x-api-key": "a"})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
     r = client.post("/v1/completions", json=quick, headers=bearer("b"))
     assert r.status_code == 200
     for t in threads:
