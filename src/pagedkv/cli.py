@@ -68,20 +68,86 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedkv.server.limits import RequestLimits
     from pagedkv.server.serve import load_api_keys, run_server
 
     keys = list(args.api_key or [])
     if args.api_keys_file:
         keys += load_api_keys(args.api_keys_file)
+    admins = list(args.admin_key or [])
+    if args.admin_keys_file:
+        admins += load_api_keys(args.admin_keys_file)
+    per_key = args.max_requests_per_key
+    if per_key is None:  # one tenant cannot starve another; one tenant alone is not limited
+        per_key = max(1, args.max_queue // 2) if len(set(keys) | set(admins)) > 1 else 0
     engine = _load_engine(args)
     return run_server(
         engine,
         host=args.host,
         port=args.port,
         api_keys=keys,
-        admin_keys=args.admin_key or None,
+        admin_keys=admins,
+        max_body_bytes=args.max_body_bytes,
+        limits=RequestLimits(args.max_messages, args.max_content_chars),
+        max_requests_per_key=per_key or None,
+        max_connections=args.max_connections,
+        receive_timeout=args.receive_timeout,
+        keys_on_command_line=args.keys_on_command_line,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+    )
+
+
+def _optional_int(value: str | None) -> int | None:
+    return None if value is None else int(value)
+
+
+class _KeyFlag(argparse._AppendAction):
+    """`append`, remembering that a key came from the command line (visible in `ps`)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        namespace.keys_on_command_line = True
+        super().__call__(parser, namespace, values, option)
+
+
+def _add_server_limit_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=int(env("--max-body-bytes", 8 * 1024 * 1024)),
+        help="largest request body, in bytes; larger ones get 413 (default 8 MiB)",
+    )
+    serve.add_argument(
+        "--max-messages",
+        type=int,
+        default=int(env("--max-messages", 2048)),
+        help="most messages in one chat request; more get 400 (default 2048)",
+    )
+    serve.add_argument(
+        "--max-content-chars",
+        type=int,
+        default=int(env("--max-content-chars", 4_000_000)),
+        help="most characters of text in one request's messages or prompt (default 4000000)",
+    )
+    serve.add_argument(
+        "--max-requests-per-key",
+        type=int,
+        default=_optional_int(env("--max-requests-per-key")),
+        help="requests one API key may have running; more get 429 (default: half of "
+        "--max-queue when there are several keys; 0: no limit)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=int(env("--max-connections", 1024)),
+        help="open connections at once; requests past it get 503 (default 1024)",
+    )
+    serve.add_argument(
+        "--receive-timeout",
+        type=float,
+        default=float(env("--receive-timeout", 30.0)),
+        help="seconds a client has to send a whole request; slower ones are "
+        "disconnected (default 30)",
     )
 
 
@@ -134,20 +200,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduler_flags(serve)
     serve.add_argument("--host", default=env("--host", "127.0.0.1"))
     serve.add_argument("--port", type=int, default=int(env("--port", 8000)))
+    serve.set_defaults(keys_on_command_line=False)
     serve.add_argument(
         "--api-key",
-        action="append",
+        action=_KeyFlag,
         default=[k for k in str(env("--api-key", "")).split(",") if k],
-        help="accept this API key (repeatable); none = no authentication",
+        help="accept this API key (repeatable; prefer PAGEDKV_API_KEY or --api-keys-file: "
+        "the command line shows in ps); none = no authentication",
     )
     serve.add_argument(
         "--api-keys-file", default=env("--api-keys-file"), help="file with one API key per line"
     )
     serve.add_argument(
         "--admin-key",
-        action="append",
+        action=_KeyFlag,
         default=[k for k in str(env("--admin-key", "")).split(",") if k],
-        help="a key that may also clear the cache (repeatable; default: every key)",
+        help="a key that may also clear the cache and see global statistics (repeatable; "
+        "default: none, so no key may; prefer PAGEDKV_ADMIN_KEY or --admin-keys-file)",
+    )
+    serve.add_argument(
+        "--admin-keys-file",
+        default=env("--admin-keys-file"),
+        help="file with one admin key per line",
     )
     serve.add_argument(
         "--tool-call-parser",
@@ -161,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(env("--max-queue", 64)),
         help="requests queued or running before new ones get 429 (default 64)",
     )
+    _add_server_limit_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")

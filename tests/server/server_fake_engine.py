@@ -37,6 +37,7 @@ class FakeEngine:
 
     model_name = "fake-model"
     vocab_size = 301
+    healthy = True
 
     def __init__(
         self,

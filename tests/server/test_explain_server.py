@@ -14,12 +14,12 @@ from server_proc import ServerProc, running, start_server, tools_model_dir
 pytestmark = pytest.mark.slow
 __all__ = ["tools_model_dir"]  # a fixture, used by name
 
-KEY_A, KEY_B = "key-a", "key-b"
+KEY_A, KEY_B, ADMIN = "key-a", "key-b", "admin-key"
 
 
 @pytest.fixture(scope="module")
 def server(tools_model_dir: Path) -> Iterator[ServerProc]:
-    yield from running(start_server(tools_model_dir, api_keys=[KEY_A, KEY_B]))
+    yield from running(start_server(tools_model_dir, api_keys=[KEY_A, KEY_B], admin_keys=[ADMIN]))
 
 
 def conversation(tag: str, question: str) -> list[dict[str, str]]:
@@ -66,6 +66,8 @@ def test_explain_after_a_clear_says_evicted(server: ServerProc) -> None:
     server.client(KEY_A).chat.completions.create(model="tiny", messages=messages, max_tokens=2)  # type: ignore[arg-type]
     assert explain(server, KEY_A, messages)["miss"] is None
     with server.http(KEY_A) as http:
+        assert http.post("/v1/cache/clear").status_code == 403  # a tenant may not clear
+    with server.http(ADMIN) as http:
         assert http.post("/v1/cache/clear").status_code == 200
     exp = explain(server, KEY_A, messages)
     assert exp["cached_tokens"] == 0

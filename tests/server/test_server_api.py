@@ -58,7 +58,7 @@ def stream_chat(
 
 
 def pool_stats(server: ServerProc) -> dict[str, Any]:
-    with server.http(KEY_A) as http:
+    with server.http(ADMIN) as http:  # the global figures need an admin key
         r = http.get("/v1/cache/stats")
     assert r.status_code == 200
     stats: dict[str, Any] = r.json()

@@ -164,15 +164,18 @@ def test_tenant_salts() -> None:
 
 def test_admin_keys() -> None:
     engine = FakeEngine()
-    every_key_admin = make_client(engine, api_keys=["a", "b"])
-    r = every_key_admin.post("/v1/cache/clear", headers={"Authorization": "Bearer b"})
-    assert r.status_code == 200 and engine.cleared == 1
+    engine.generate("hello there")
+    no_admin = make_client(engine, api_keys=["a", "b"])
+    r = no_admin.post("/v1/cache/clear", headers={"Authorization": "Bearer b"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+    assert engine.cleared == 0 and engine.cache  # tenant B cleared nothing
     listed = make_client(engine, api_keys=["a"], admin_keys=["root"])
     r = listed.post("/v1/cache/clear", headers={"Authorization": "Bearer a"})
-    assert r.status_code == 403 and engine.cleared == 1
+    assert r.status_code == 403 and engine.cleared == 0
     r = listed.post("/v1/cache/clear", headers={"Authorization": "Bearer root"})
-    assert r.status_code == 200 and engine.cleared == 2
-    assert make_client(engine).post("/v1/cache/clear").status_code == 200  # no keys at all
+    assert r.status_code == 200 and engine.cleared == 1 and not engine.cache
+    assert make_client(engine).post("/v1/cache/clear").status_code == 200  # single-user
+    assert engine.cleared == 2
     assert listed.post("/v1/cache/clear").status_code == 401
 
 

@@ -170,13 +170,22 @@ class PrefixCache:
     def clear(self) -> int:
         """Forget this namespace's unreferenced blocks in every tier; other namespaces of a
         shared SSD directory or Redis stay. Returns the RAM blocks dropped."""
+        self.clear_lower()
+        return self.clear_ram()
+
+    def clear_ram(self) -> int:
+        """The RAM part of `clear`, for the thread that owns the pool's tensors."""
         dropped = self.pool.evict_all()
         if self.snapshots is not None:
             self.snapshots.clear()
-        for tier in self.lower.tiers:
-            tier.clear(self.namespace)
         self.history.cleared()
         return dropped
+
+    def clear_lower(self) -> None:
+        """The lower tiers' part of `clear`; any thread (the tiers are thread-safe), so
+        the worker keeps decoding while files are unlinked and Redis is scanned."""
+        for tier in self.lower.tiers:
+            tier.clear(self.namespace)
 
     def close(self, timeout: float) -> None:
         self.lower.flush(timeout)

@@ -276,9 +276,16 @@ class Engine:
 
     def clear_cache(self) -> None:
         """Forget this model's unreferenced cached blocks in every tier (other models'
-        blocks in a shared SSD directory or Redis stay)."""
+        blocks in a shared SSD directory or Redis stay).
+
+        The lower tiers are cleared on the calling thread, so running requests keep
+        decoding meanwhile (a big SSD directory or Redis takes seconds); then the RAM
+        tier on the worker, which owns it. In that order, a block a request brought
+        up from a lower tier while the clear ran is dropped from RAM too; blocks
+        computed while it ran may survive it."""
         if self.prefix is not None:
-            self._call(self.prefix.clear)
+            self.prefix.clear_lower()
+            self._call(self.prefix.clear_ram)
 
     def close(self, timeout: float = 20.0) -> None:
         """Cancel queued work, finish the worker and flush cache writes within `timeout`."""

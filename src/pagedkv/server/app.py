@@ -7,9 +7,13 @@ on an admin endpoint 403; an unknown model or path 404; a body over
 both with Retry-After. Bad input is refused before it reaches the engine; the
 catch-all 500 handler exists for bugs only.
 
-Keys: when none are configured every caller is the one (admin) tenant. When
-keys are configured, every /v1 endpoint needs one; /health and /metrics stay
-open for orchestrators and scrapers (they show only aggregate counts).
+Keys: when none are configured the server is single-user: every caller is the
+one (admin) tenant. When keys are configured, every /v1 endpoint needs one,
+checked from the headers before the body is read (`server/authn.py`); only the
+keys named as admin keys may clear the cache or see the global statistics.
+/health and /metrics stay open for orchestrators and scrapers (they show only
+aggregate counts). Limits on a request's messages and text and on each key's
+running requests are in `server/limits.py`.
 """
 
 from __future__ import annotations
@@ -23,18 +27,17 @@ from typing import Any
 
 from anyio import to_thread
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.engine.request import StreamEvent
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
-from pagedkv.server.anthropic.errors import error_response, is_messages_path
 from pagedkv.server.auth import KeyRing, Tenant
-from pagedkv.server.authn import TenantDep
+from pagedkv.server.authn import AuthMiddleware, TenantDep
 from pagedkv.server.engine_api import EngineAPI
+from pagedkv.server.error_handlers import add_error_handlers, error_body
 from pagedkv.server.generation import Generation, Options
 from pagedkv.server.http_errors import APIError, bad_request, shutting_down
+from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware
 from pagedkv.server.metrics import ServerMetrics, stats_json
 from pagedkv.server.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from pagedkv.server.prepare import (
@@ -54,6 +57,7 @@ from pagedkv.server.protocol import (
     HealthResponse,
     ModelList,
 )
+from pagedkv.server.tenants import TenantLedger
 from pagedkv.server.tools import ToolSupport, tool_support
 from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import template_tools, tool_mode
@@ -83,6 +87,8 @@ class ServerState:
     metrics: ServerMetrics
     vocab_size: int | None
     tools: ToolSupport
+    share: KeyShare
+    ledger: TenantLedger = field(default_factory=TenantLedger)
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False
     generations: set[Generation] = field(default_factory=set)
@@ -98,17 +104,22 @@ def create_app(
     engine: EngineAPI,
     *,
     api_keys: Iterable[str] = (),
-    admin_keys: Iterable[str] | None = None,
+    admin_keys: Iterable[str] | None = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: RequestLimits | None = None,
+    max_requests_per_key: int | None = None,
     model_name: str | None = None,
     tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `engine` (a `pagedkv.Engine`, or anything with its `EngineAPI`).
 
-    `model_name` is the id clients see (default: the engine's); requests may
-    also name the engine's own name, or leave `model` out. `tool_call_parser`
-    names the tool-call format (`pagedkv.server.tools.PARSERS`) when the chat
-    template does not make it clear.
+    `admin_keys` may clear the cache and see the global statistics; other keys
+    may not (with no keys at all, the one caller may). `limits` bounds one
+    request's messages and text; `max_requests_per_key` the requests one key
+    may have running (None: no bound). `model_name` is the id clients see
+    (default: the engine's); requests may also name the engine's own name, or
+    leave `model` out. `tool_call_parser` names the tool-call format
+    (`pagedkv.server.tools.PARSERS`) when the chat template does not make it clear.
     """
     state = ServerState(
         engine=engine,
@@ -117,13 +128,19 @@ def create_app(
         metrics=ServerMetrics(engine.cache_stats, engine.num_active_requests),
         vocab_size=engine.vocab_size if engine.vocab_size > 0 else None,
         tools=tool_support(engine.chat_template, tool_call_parser),
+        share=KeyShare(max_requests_per_key),
     )
     known_models = {state.model_name, engine.model_name}
     app = FastAPI(title="pagedkv", version="0.1.0", strict_content_type=False)
     app.state.pagedkv = state
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    # Outermost last: count every response, then the key, then the body's size and limits.
+    app.add_middleware(
+        RequestLimitsMiddleware, limits=limits or RequestLimits(), error_body=error_body
+    )
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, error_body=error_body)
+    app.add_middleware(AuthMiddleware, keys=state.keys, error_body=error_body)
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
-    _add_error_handlers(app)
+    add_error_handlers(app)
 
     def check_open(model: str | None) -> None:
         if state.closing:
@@ -186,13 +203,21 @@ def create_app(
         def open_stream() -> Iterator[StreamEvent]:
             return engine.stream(ids, params, cache_salt=salt)
 
+        def on_close(gen: Generation) -> None:
+            state.generations.discard(gen)
+            state.share.release(tenant)
+            results = [gen.results[i] for i in sorted(gen.results)]
+            state.ledger.finished(tenant, results, complete=gen.done)
+
+        state.share.acquire(tenant)  # a 429 here for a key over its share, not for others
+        state.ledger.started(tenant)
         gen = Generation(
             open_stream,
             options,
             state.metrics,
             arrived=arrived,
             closing=lambda: state.closing,
-            on_close=state.generations.discard,
+            on_close=on_close,
         )
         state.generations.add(gen)
         await gen.start(request.receive)
@@ -269,8 +294,15 @@ def create_app(
 
     @app.get("/v1/cache/stats", responses=ERRORS)
     async def cache_stats(tenant: TenantDep) -> Response:
+        """Admins (and a server without keys) get the engine's and cache's global figures;
+        any other key gets its own requests' figures only."""
+        if not tenant.is_admin:
+            figures = state.ledger.figures(tenant)
+            return JSONResponse(
+                {"model": state.model_name, "scope": "key", "requests": figures.to_json()}
+            )
         stats = await to_thread.run_sync(engine.cache_stats)
-        return JSONResponse(stats_json(stats))
+        return JSONResponse({"scope": "server", **stats_json(stats)})
 
     @app.post("/v1/cache/explain", responses=ERRORS)
     async def cache_explain(body: ChatCompletionRequest, tenant: TenantDep) -> Response:
@@ -339,80 +371,3 @@ async def _blocking(fn: Any, arg: Any, *, what: str) -> list[int]:
         if type(exc).__module__.startswith("jinja2"):  # the template's raise_exception()
             raise bad_request(f"{what} refused the messages: {exc}", "messages") from exc
         raise
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    def render(request: Request, exc: APIError) -> Response:
-        if is_messages_path(request.url.path):
-            return error_response(exc)
-        return exc.response()
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> Response:
-        return render(request, exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return render(request, _validation_error(request, exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        message = str(exc.detail)
-        if exc.status_code == 404:
-            message = f"no route for {request.method} {request.url.path}"
-        elif exc.status_code == 405:
-            message = f"{request.method} is not allowed on {request.url.path}"
-        return render(request, APIError(exc.status_code, message, headers=exc.headers))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        error = APIError(
-            500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
-        )
-        return render(request, error)
-
-
-def _validation_error(request: Request, exc: RequestValidationError) -> APIError:
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    loc = [p for p in first.get("loc", ()) if p != "body"]
-    kind = first.get("type", "")
-    if kind == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", "")
-        pos = loc[0] if loc else "?"
-        return bad_request(f"the body is not valid JSON: {detail} (at character {pos})")
-    if not loc and kind in ("model_attributes_type", "dict_type", "missing"):
-        ctype = request.headers.get("content-type", "")
-        if "json" not in ctype and ctype:
-            return bad_request(
-                f"the body must be a JSON object sent as application/json, not {ctype} "
-                "(with curl: -H 'Content-Type: application/json')"
-            )
-        return bad_request("the body must be a JSON object")
-    param = _param_name(loc)
-    message = str(first.get("msg", "invalid request"))
-    params = [_param_name([p for p in e.get("loc", ()) if p != "body"]) for e in errors]
-    if len(errors) > 1 and all(p == param for p in params):  # a union: say what each form lacks
-        message = "matches none of the accepted forms: " + "; ".join(
-            dict.fromkeys(str(e.get("msg")) for e in errors)
-        )
-    elif len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problems)"
-    return bad_request(f"{param}: {message}" if param else message, param or None)
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-def _param_name(loc: list[Any]) -> str:
-    """pydantic's loc as a JSON path: ["messages", 0, "content"] -> messages[0].content."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif str(part) in _TYPE_TAGS or "[" in str(part) or "-" in str(part):
-            continue  # union member tags such as "str", "list[int]", "function-after[...]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out

@@ -42,19 +42,26 @@ class KeyRing:
     """The valid keys. Lookup is by SHA-256 digest, so its time does not depend
     on how much of a wrong key matched.
 
-    Admin rule: when `admin_keys` is None every key is an admin key (a single
-    operator with one key can clear the cache); when it is given, only those
-    keys may call admin endpoints, and they are valid API keys as well.
+    Admin rule: a key is an admin key only when it is named in `admin_keys`
+    (admin keys are valid API keys as well). Every other key is a tenant that
+    may use the model and see its own figures, never clear the cache or see
+    other tenants' totals. A server with no keys at all is single-user: its
+    one caller (`ANONYMOUS`) is the admin. The rejected alternative, every key
+    an admin when no admin key is named, let any tenant wipe the shared cache.
     """
 
-    def __init__(self, api_keys: Iterable[str], admin_keys: Iterable[str] | None) -> None:
+    def __init__(self, api_keys: Iterable[str], admin_keys: Iterable[str] | None = ()) -> None:
         keys = [k for k in api_keys if k]
-        admins = None if admin_keys is None else [k for k in admin_keys if k]
+        admins = {k for k in admin_keys or () if k}
         self._tenants: dict[bytes, Tenant] = {}
-        for key in [*keys, *(admins or [])]:
-            is_admin = admins is None or key in admins
+        for key in [*keys, *sorted(admins)]:
             salt = "tenant:" + hmac.new(_SALT_KEY, key.encode(), hashlib.sha256).hexdigest()
-            self._tenants[_digest(key)] = Tenant(salt=salt, is_admin=is_admin)
+            self._tenants[_digest(key)] = Tenant(salt=salt, is_admin=key in admins)
+        self.num_admins = len(admins)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._tenants)
 
     @property
     def enabled(self) -> bool:

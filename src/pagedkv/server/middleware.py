@@ -1,8 +1,11 @@
-"""ASGI middleware: the request body limit and per-endpoint request counts."""
+"""ASGI middleware: the request body limit and per-endpoint request counts, and the
+one way every middleware sends an error."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -21,6 +24,14 @@ KNOWN_PATHS = frozenset(
     }
 )
 
+# An error's JSON body for a request path (OpenAI's shape, or Anthropic's under
+# /v1/messages); the app supplies it, so this module need not import the routes.
+ErrorBody = Callable[[str, APIError], dict[str, Any]]
+
+
+def openai_body(path: str, error: APIError) -> dict[str, Any]:
+    return error.body()
+
 
 class BodyLimitMiddleware:
     """413 for a body over `max_body_bytes`, by Content-Length or by what arrives.
@@ -32,9 +43,12 @@ class BodyLimitMiddleware:
     the answer.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_body_bytes: int, error_body: ErrorBody = openai_body
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.error_body = error_body
         self.drain_bytes = max(4 * max_body_bytes, 16 * 1024 * 1024)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -44,7 +58,8 @@ class BodyLimitMiddleware:
         limit = self.max_body_bytes
         declared = _content_length(scope)
         if declared == -1:
-            await _send_error(send, APIError(400, "the Content-Length header is not a number"))
+            error = APIError(400, "the Content-Length header is not a number")
+            await send_error(send, self.error_body(scope["path"], error), error)
             return
         too_large = declared is not None and declared > limit
         chunks: list[bytes] = []
@@ -70,14 +85,13 @@ class BodyLimitMiddleware:
             return
         if too_large:
             size = max(received, declared or 0)
-            await _send_error(
-                send,
-                APIError(
-                    413,
-                    f"the request body has at least {size} bytes; the limit is {limit} bytes",
-                    code="body_too_large",
-                ),
+            error = APIError(
+                413,
+                f"the request body has at least {size} bytes; the limit is {limit} bytes "
+                "(raise it with --max-body-bytes)",
+                code="body_too_large",
             )
+            await send_error(send, self.error_body(scope["path"], error), error)
             return
         replay: list[Message] = [
             {"type": "http.request", "body": b"".join(chunks), "more_body": False}
@@ -129,8 +143,9 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _send_error(send: Send, error: APIError) -> None:
-    body = json.dumps(error.body()).encode()
+async def send_error(send: Send, payload: dict[str, Any], error: APIError) -> None:
+    """Answer with `error`'s status and headers and `payload` as the JSON body."""
+    body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

@@ -7,6 +7,11 @@ error event and `[DONE]`, its blocks are released); then `engine.close()`
 flushes queued cache writes within `close_timeout`. The defaults keep the whole
 sequence under 20 s, the usual grace period before a SIGKILL. A second SIGINT
 skips the waiting.
+
+Connections: at most `max_connections` at once (uvicorn's `limit_concurrency`;
+requests past it get 503), and each request must arrive in full within
+`receive_timeout` seconds (`server/transport.py`), so slow or stalled clients
+cannot hold the server's connections.
 """
 
 from __future__ import annotations
@@ -25,8 +30,12 @@ import uvicorn
 from pagedkv.engine.stats import EngineStats
 from pagedkv.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
 from pagedkv.server.engine_api import EngineAPI
+from pagedkv.server.limits import RequestLimits
+from pagedkv.server.transport import DEFAULT_RECEIVE_TIMEOUT_S, deadline_protocol
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONNECTIONS = 1024
 
 
 def run_server(
@@ -35,8 +44,13 @@ def run_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_keys: Iterable[str] = (),
-    admin_keys: Iterable[str] | None = None,
+    admin_keys: Iterable[str] | None = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: RequestLimits | None = None,
+    max_requests_per_key: int | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT_S,
+    keys_on_command_line: bool = False,
     model_name: str | None = None,
     tool_call_parser: str | None = None,
     log_level: str = "info",
@@ -49,7 +63,8 @@ def run_server(
     restart the server).
 
     `port=0` picks a free port; the URL is logged either way. The engine is
-    closed on return, also when the server fails to start.
+    closed on return, also when the server fails to start. `keys_on_command_line`
+    (the CLI sets it) logs a warning: other users of the host can read them in `ps`.
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(
@@ -58,28 +73,29 @@ def run_server(
     log.setLevel(log_level.upper())
     died = False
     try:
-        api_keys = list(api_keys)
-        admin_keys = None if admin_keys is None else list(admin_keys)
         app = create_app(
             engine,
             api_keys=api_keys,
             admin_keys=admin_keys,
             max_body_bytes=max_body_bytes,
+            limits=limits,
+            max_requests_per_key=max_requests_per_key,
             model_name=model_name,
             tool_call_parser=tool_call_parser,
         )
         state: ServerState = app.state.pagedkv
         sock = _bind(host, port)
         url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
-        config = uvicorn.Config(
+        config = server_config(
             app,
             log_level=log_level,
             access_log=access_log,
-            lifespan="off",
-            timeout_graceful_shutdown=int(drain_timeout) + 2,
+            max_connections=max_connections,
+            receive_timeout=receive_timeout,
+            drain_timeout=drain_timeout,
         )
         server = _Server(config, state, drain_timeout, engine)
-        _log_startup(engine, state, url, api_keys, admin_keys)
+        _log_startup(engine, state, url, keys_on_command_line)
         server.run(sockets=[sock])
         died = server.engine_died
     finally:
@@ -88,6 +104,27 @@ def run_server(
         engine.close(timeout=close_timeout)
         log.info("engine closed in %.1f s", time.monotonic() - started)
     return 1 if died else 0
+
+
+def server_config(
+    app: object,
+    *,
+    log_level: str = "info",
+    access_log: bool = True,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT_S,
+    drain_timeout: float = 5.0,
+) -> uvicorn.Config:
+    """uvicorn's configuration for `app`, with pagedkv's connection limits."""
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        http=deadline_protocol(receive_timeout),
+        limit_concurrency=max_connections,
+        log_level=log_level,
+        access_log=access_log,
+        lifespan="off",
+        timeout_graceful_shutdown=int(drain_timeout) + 2,
+    )
 
 
 def load_api_keys(path: str | Path) -> list[str]:
@@ -177,19 +214,25 @@ def _url_host(host: str) -> str:
 
 
 def _log_startup(
-    engine: EngineAPI,
-    state: ServerState,
-    url: str,
-    api_keys: list[str],
-    admin_keys: list[str] | None,
+    engine: EngineAPI, state: ServerState, url: str, keys_on_command_line: bool
 ) -> None:
     log.info("model %s (context %d tokens)", state.model_name, engine.max_context)
     for line in _cache_lines(engine.cache_stats()):
         log.info("cache: %s", line)
+    if keys_on_command_line:
+        log.warning(
+            "API keys were given on the command line, where any user of this host can "
+            "read them (ps, /proc/<pid>/cmdline); pass them in PAGEDKV_API_KEY / "
+            "PAGEDKV_ADMIN_KEY or in a file (--api-keys-file, --admin-keys-file) instead"
+        )
     if state.keys.enabled:
-        num_keys = len(set(api_keys) | set(admin_keys or []))
-        num_admins = num_keys if admin_keys is None else len(set(admin_keys))
-        log.info("API keys: %d (%d may clear the cache)", num_keys, num_admins)
+        log.info(
+            "API keys: %d (%d admin keys may clear the cache and see global statistics)",
+            state.keys.num_keys,
+            state.keys.num_admins,
+        )
+        if state.share.limit is not None:
+            log.info("each key may have %d requests running at once", state.share.limit)
     else:
         log.info("no API keys: anyone who can reach %s can use the server", url)
     auth = " -H 'Authorization: Bearer <your key>'" if state.keys.enabled else ""
