@@ -106,7 +106,7 @@ def main() -> None:
             for batch in batches:
                 pipe = plain.pipeline(transaction=False)
                 for h in batch:
-                    pipe.get(f"pagedkv:{NAMESPACE}:{h.hex()}")
+                    pipe.get(store._key(h))
                 total += sum(len(v) for v in pipe.execute())
             return total
 
