@@ -93,7 +93,8 @@ def encode_frame(block: KVBlock, secret: CacheSecret | None = None) -> bytes:
         raise ValueError(f"cannot store KV of dtype {kv.dtype} in Redis; use one of {[*_DTYPES]}")
     meta = block.meta
     tokens = np.ascontiguousarray(meta.token_ids, dtype="<i4")
-    payload = kv.view(torch.uint8).numpy().data if kv.numel() else b""
+    # flat: the MAC counts a part's length as len(), which is nbytes only for 1-D buffers
+    payload = kv.view(torch.uint8).reshape(-1).numpy().data if kv.numel() else b""
     header = {
         "h": meta.block_hash.hex(),
         "p": meta.parent_key.hex(),
