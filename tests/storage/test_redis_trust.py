@@ -327,3 +327,25 @@ def test_tls_with_a_password_and_a_secret(tls_server, open_store) -> None:
     plain = open_store(f"redis://:pw-123@127.0.0.1:{tls_port}/0", socket_timeout=0.5)
     assert plain.get([blocks[0].meta.block_hash]) == [None]
     assert time.monotonic() - start < 3.0
+
+
+def test_the_acl_user_of_docs_security_is_enough(redis_server_factory, open_store) -> None:
+    """The least-privilege user docs/security.md gives runs every call of the tier."""
+    server = redis_server_factory()
+    doc = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
+    rules = next(line for line in doc.splitlines() if "ACL SETUSER pagedkv" in line)
+    admin = redis.Redis.from_url(server.url)
+    admin.execute_command(*rules.split()[:2], *rules.split()[2:])
+    admin.execute_command("ACL", "SETUSER", "pagedkv", ">pw-123")  # the doc's is a placeholder
+    admin.execute_command("ACL", "SETUSER", "default", "off")
+    store = open_store(f"redis://pagedkv:pw-123@127.0.0.1:{server.port}/0", secret=SECRET)
+    parent = b"P" * 16
+    blocks = [make_block(NS, parent, np.arange(i + 1), seed=i) for i in range(3)]
+    store.put(blocks)
+    assert store.flush(5)
+    assert store.contains([b.meta.block_hash for b in blocks]) == [True] * 3
+    assert all(g is not None for g in store.get([b.meta.block_hash for b in blocks]))
+    assert len(store.children(parent)) == 3
+    assert store.clear(NS) >= 4
+    s = store.stats()
+    assert (s.errors, s.writes_dropped, s.blocks_written) == (0, 0, 3)
