@@ -20,7 +20,6 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar, cast
@@ -34,13 +33,13 @@ from pagedkv.storage.redis.breaker import Breaker
 from pagedkv.storage.redis.checks import SEED_KEY, SeedWatch, check_policy, warn_if_open
 from pagedkv.storage.redis.children import MAX_CHILDREN, AddChild, child_member, parse_member
 from pagedkv.storage.redis.format import MAC_FAILED, VERSION, check_frame, encode_frame
+from pagedkv.storage.redis.writer import WriteQueue
 from pagedkv.storage.secret import CacheSecret
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MAX_CHILDREN", "SEED_KEY", "RedisStore"]
 
-_BATCH_BYTES = 16 * 1024**2  # per write pipeline: a lookup waits behind at most one
 WRITE_TIMEOUT_S = 5.0
 # redis-py wraps socket failures in ConnectionError/TimeoutError; OSError covers
 # what slips through (TLS handshakes). Any RedisError is treated as an outage:
@@ -133,14 +132,12 @@ class RedisStore(KVTier):
         self.secret = secret
         self.open_warning = warn_if_open(kwargs, self._where, secret is not None)
         self._add_child = AddChild(self._write_client)
-        self._queue: deque[KVBlock] = deque()
-        self._queue_limit = write_queue_bytes
-        self._queued_bytes = 0
-        self._busy = False
-        self._closing = False
-        self._cond = threading.Condition()
-        self._writer = threading.Thread(target=self._write_loop, name="pagedkv-redis", daemon=True)
-        self._writer.start()
+        self._writes = WriteQueue(
+            write_queue_bytes,
+            self._write,
+            self._check_server,
+            lambda n: self._count(writes_dropped=n),
+        )
 
     # -- keys -------------------------------------------------------------
 
@@ -251,19 +248,10 @@ class RedisStore(KVTier):
         return out
 
     def put(self, blocks: Sequence[KVBlock]) -> None:
-        if self._breaker.is_open() or self._closing:
+        if self._breaker.is_open() or self._writes.closing:
             self._count(writes_dropped=len(blocks), skipped=1 if blocks else 0)
             return
-        dropped = 0
-        with self._cond:
-            for block in blocks:
-                size = block.num_bytes
-                if self._queued_bytes + size > self._queue_limit:
-                    dropped += 1
-                    continue
-                self._queue.append(block)
-                self._queued_bytes += size
-            self._cond.notify()
+        dropped = self._writes.put(blocks)
         if dropped:
             self._count(writes_dropped=dropped)
 
@@ -303,10 +291,7 @@ class RedisStore(KVTier):
         if ":" in namespace or not namespace:
             raise ValueError(f"not a namespace: {namespace!r}")
         if namespace == self.namespace:
-            with self._cond:
-                dropped = [b for b in self._queue if b.meta.namespace == namespace]
-                self._queue = deque(b for b in self._queue if b.meta.namespace != namespace)
-                self._queued_bytes -= sum(b.num_bytes for b in dropped)
+            self._writes.drop_namespace(namespace)
         pattern = f"pagedkv:{namespace}:*"
 
         def op() -> int:
@@ -363,7 +348,7 @@ class RedisStore(KVTier):
             "skipped": skipped,
             "backoff_s": round(backoff, 3),
             "consecutive_failures": self._breaker.failures,
-            "queued_bytes": self._queued_bytes,
+            "queued_bytes": self._writes.queued_bytes,
             "mac_failures": mac_failures,
             "authenticated": self.secret is not None,
             "seed_mismatch": self._seed_watch.mismatch,
@@ -371,55 +356,15 @@ class RedisStore(KVTier):
         return out
 
     def flush(self, timeout: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+        return self._writes.flush(timeout)
 
     def close(self) -> None:
         self.flush(timeout=2.0)
-        with self._cond:
-            self._closing = True
-            dropped = len(self._queue)
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._cond.notify_all()
-        self._count(writes_dropped=dropped)
-        self._writer.join(timeout=2.0)
+        self._count(writes_dropped=self._writes.close())
         self.client.close()
         self._write_client.close()
 
-    # -- writer thread ------------------------------------------------------
-
-    def _write_loop(self) -> None:
-        self._check_server()
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if self._closing:
-                    return
-                batch: list[KVBlock] = []
-                size = 0
-                while self._queue and (not batch or size < _BATCH_BYTES):
-                    block = self._queue.popleft()
-                    batch.append(block)
-                    size += block.num_bytes
-                self._busy = True
-            try:
-                self._write(batch)
-            except Exception:  # the writer must outlive any bad block
-                log.exception("Redis tier: writing %d block(s) failed", len(batch))
-                self._count(writes_dropped=len(batch))
-            finally:
-                with self._cond:
-                    self._queued_bytes -= size
-                    self._busy = False
-                    self._cond.notify_all()
+    # -- on the writer thread -------------------------------------------------
 
     def _write(self, blocks: list[KVBlock]) -> None:
         batch: list[KVBlock] = []
