@@ -15,6 +15,7 @@ import redis as redis_py
 from engine_helpers import BS, GREEDY, random_prompt, reference_outputs
 
 from pagedkv import CacheConfig, Engine
+from pagedkv.storage.redis.format import decode_frame
 from pagedkv.storage.redis.store import SEED_KEY
 
 pytestmark = pytest.mark.redis
@@ -84,3 +85,42 @@ def test_poisoned_values_are_misses(
         assert stats.cache.pool.allocated == 0, "a RAM block is still referenced"
         assert eng.prefix is not None
         eng.prefix.pool.check()
+
+
+def test_engines_with_one_secret_share_and_a_forged_frame_is_refused(
+    tiny_llama_dir: Path, redis_url: str, reference: list[list[int]]
+) -> None:
+    secret = "the engines' shared secret, 32 b"
+    cfg = CacheConfig(block_size=BS, redis_url=redis_url, cache_secret=secret)
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as first:
+        assert first.generate(PROMPTS[1], GREEDY).token_ids == reference[1]
+        assert first.prefix is not None and first.prefix.lower.flush(10)
+    client = redis_py.Redis.from_url(redis_url)
+    assert not client.exists(SEED_KEY), "the derived seed is never stored"
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as second:
+        r = second.generate(PROMPTS[1], GREEDY)
+        assert r.token_ids == reference[1] and r.tier_hits.get("redis", 0) > 0
+        assert second.prefix is not None
+        tier = second.prefix.lower.tiers[0]
+        chain = second.prefix.hasher.chain(PROMPTS[0])
+    # A writer without the secret re-signs nothing: it stores frames with valid checksums.
+    for key in client.scan_iter("pagedkv:*"):
+        if client.type(key) == b"string":
+            value = client.get(key)
+            assert value is not None
+            header_len = struct.unpack_from("<I", value, 8)[0]
+            header = value[12 : 12 + header_len]
+            forged = re.sub(rb',"m":"[0-9a-f]+"', b"", header)
+            forged += b" " * (len(header) - len(forged))
+            client.set(key, value[:12] + forged + value[12 + header_len :])
+    forged_value = client.get(tier._key(chain.hashes[0]))
+    assert decode_frame(forged_value, chain.hashes[0], tier.namespace) is not None, (
+        "the forgery is a valid frame for an engine without the secret"
+    )
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as third:
+        r = third.generate(PROMPTS[1], GREEDY)
+        assert r.token_ids == reference[1] and r.cached_tokens == 0
+        stats = third.cache_stats().cache
+        assert stats is not None
+        assert stats.tiers["redis"].extra["mac_failures"] > 0
+        assert stats.pool.allocated == 0
