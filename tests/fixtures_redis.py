@@ -18,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ def _ping(port: int, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))  # up, with a password
     except OSError:
         return False
 
@@ -70,10 +70,17 @@ class RedisServer:
     connections but never answers.
     """
 
-    def __init__(self, binary: str, port: int | None = None, maxmemory: str | None = None):
+    def __init__(
+        self,
+        binary: str,
+        port: int | None = None,
+        maxmemory: str | None = None,
+        extra_args: Sequence[str] = (),
+    ):
         self.binary = binary
         self.port = port or _free_port()
         self.maxmemory = maxmemory
+        self.extra_args = list(extra_args)  # e.g. --requirepass, --tls-port
         self.process: subprocess.Popen[bytes] | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="pagedkv-redis-"))
         self.log_path = self._dir / "redis.log"
@@ -91,6 +98,7 @@ class RedisServer:
         args += ["--maxmemory-policy", "allkeys-lru"]
         if self.maxmemory is not None:
             args += ["--maxmemory", self.maxmemory]
+        args += self.extra_args
         self.process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not _ping(self.port):
@@ -131,7 +139,9 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def start_redis(port: int | None = None, maxmemory: str | None = None) -> Iterator[RedisServer]:
+def start_redis(
+    port: int | None = None, maxmemory: str | None = None, extra_args: Sequence[str] = ()
+) -> Iterator[RedisServer]:
     """A fresh redis-server for the duration of the block; skips the test if none is installed."""
     binary = redis_server_binary()
     if binary is None:
@@ -139,7 +149,7 @@ def start_redis(port: int | None = None, maxmemory: str | None = None) -> Iterat
         if os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1":  # set by CI: a skip would hide gaps
             pytest.fail(reason + " but PAGEDKV_REQUIRE_REDIS=1")
         pytest.skip(reason)
-    server = RedisServer(binary, port, maxmemory)
+    server = RedisServer(binary, port, maxmemory, extra_args)
     try:
         for attempt in range(3):
             try:
@@ -173,11 +183,14 @@ def redis_url(redis_server: RedisServer) -> str:
 
 @pytest.fixture
 def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
-    """`factory(maxmemory="8mb", port=None)` -> a private server, stopped after the test."""
+    """`factory(maxmemory="8mb", port=None, extra_args=())` -> a private server, stopped
+    after the test."""
     with contextlib.ExitStack() as stack:
 
-        def factory(maxmemory: str | None = None, port: int | None = None) -> RedisServer:
-            return stack.enter_context(start_redis(port=port, maxmemory=maxmemory))
+        def factory(
+            maxmemory: str | None = None, port: int | None = None, extra_args: Sequence[str] = ()
+        ) -> RedisServer:
+            return stack.enter_context(start_redis(port, maxmemory, extra_args))
 
         yield factory
 

@@ -172,10 +172,10 @@ def test_namespaces_are_isolated(redis_url: str, open_store) -> None:
     assert b.children(blocks[0].meta.parent_key) == []
     # A value copied under the other namespace's key is foreign: a miss, deleted.
     raw = redis.Redis.from_url(redis_url)
-    raw.set(f"pagedkv:bbbb:{hashes[0].hex()}", raw.get(f"pagedkv:aaaa:{hashes[0].hex()}"))
+    raw.set(b._key(hashes[0]), raw.get(a._key(hashes[0])))
     assert b.get(hashes[:1]) == [None]
     assert b.stats().corrupt == 1
-    assert not raw.exists(f"pagedkv:bbbb:{hashes[0].hex()}")
+    assert not raw.exists(b._key(hashes[0]))
     assert a.get(hashes[:1])[0] is not None
     with pytest.raises(ValueError, match="namespace"):
         RedisStore(redis_url, "a:children")
@@ -208,7 +208,7 @@ def test_corrupted_value_is_a_miss_and_is_deleted(redis_url: str, open_store, ki
     store.put([good, victim])
     assert store.flush(5)
     raw = redis.Redis.from_url(redis_url)
-    key = f"pagedkv:{NS}:{victim.meta.block_hash.hex()}"
+    key = store._key(victim.meta.block_hash)
     raw.set(key, CORRUPTIONS[kind](raw.get(key)))
     got = store.get([good.meta.block_hash, victim.meta.block_hash])
     assert_same_block(got[0], good)
@@ -346,9 +346,9 @@ def test_children_find_partial_tails_and_skip_evicted(redis_url: str, open_store
     assert found[tail.meta.block_hash].token_ids.tolist() == list(range(100, 105))
     assert found[full.meta.block_hash].parent_key == parent
     raw = redis.Redis.from_url(redis_url)
-    raw.delete(f"pagedkv:{NS}:{full.meta.block_hash.hex()}")  # as if Redis evicted it
+    raw.delete(store._key(full.meta.block_hash))  # as if Redis evicted it
     assert [m.block_hash for m in store.children(parent)] == [tail.meta.block_hash]
-    assert raw.zcard(f"pagedkv:{NS}:children:{parent.hex()}") == 1  # dangling entry pruned
+    assert raw.zcard(store._children_key(parent)) == 1  # dangling entry pruned
     assert store.children(b"Z" * 16) == []
 
 
@@ -359,7 +359,7 @@ def test_children_index_is_bounded(redis_url: str, open_store) -> None:
     store.put(blocks)
     assert store.flush(5)
     raw = redis.Redis.from_url(redis_url)
-    assert raw.zcard(f"pagedkv:{NS}:children:{parent.hex()}") == MAX_CHILDREN
+    assert raw.zcard(store._children_key(parent)) == MAX_CHILDREN
     assert len(store.children(parent)) == MAX_CHILDREN
 
 

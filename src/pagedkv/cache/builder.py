@@ -104,7 +104,8 @@ def build_prefix_cache(
             snapshots.nbytes,
             state_bytes / 2**20,
         )
-    return PrefixCache(pool, ram, LowerTiers(tiers, kv_shape), namespace, snapshots, split)
+    lower = LowerTiers(tiers, kv_shape, block_size=config.block_size, dtype=layout.dtype)
+    return PrefixCache(pool, ram, lower, namespace, snapshots, split)
 
 
 def resolve_seed(

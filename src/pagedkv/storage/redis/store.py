@@ -1,100 +1,51 @@
 """The shared KV tier: whole blocks in Redis, so several engines reuse one cache.
 
-Keys: `pagedkv:<namespace>:<hash hex>` holds one block as a frame (layout in
-`redis_format`); `pagedkv:seed` holds the hashing seed shared by all engines.
+Keys: `pagedkv:<namespace>:v<format version>:<hash hex>` holds one block as a
+frame (layout in `format.py`); the version in the key lets engines of two
+versions share a Redis during a rolling upgrade without deleting each other's
+values. `pagedkv:seed` holds the hashing seed shared by engines without a cache
+secret (with one, the seed is derived from it and never stored).
 
-Children index (partial-tail lookup): a sorted set `pagedkv:<namespace>:children:
-<parent hex>` whose members are `len(hash) | hash | token ids` scored by write time,
-trimmed to the newest `MAX_CHILDREN` on every write. Redis evicts keys one by one,
-so a member may name a value that is gone: `children()` checks the members' value
-keys with EXISTS, drops dangling members, and returns metadata built from the
-member itself (no value is read); `get` verifies the value as usual.
+Children index (partial-tail lookup): a sorted set `<prefix>children:<parent hex>`
+(`children.py`), trimmed to the newest `MAX_CHILDREN` on every write. Redis
+evicts keys one by one, so a member may name a value that is gone: `children()`
+checks the members' value keys with EXISTS, drops dangling members, and returns
+metadata built from the member itself (no value is read); `get` verifies the
+value as usual.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar, cast
 
-import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
-from pagedkv.storage.redis.format import decode_frame, encode_frame
+from pagedkv.storage.redis.breaker import Breaker
+from pagedkv.storage.redis.checks import SEED_KEY, SeedWatch, check_policy, warn_if_open
+from pagedkv.storage.redis.children import MAX_CHILDREN, AddChild, child_member, parse_member
+from pagedkv.storage.redis.format import MAC_FAILED, VERSION, check_frame, encode_frame
+from pagedkv.storage.redis.writer import WriteQueue
 from pagedkv.storage.secret import CacheSecret
 
 log = logging.getLogger(__name__)
 
-SEED_KEY = "pagedkv:seed"
-MAX_CHILDREN = 64
-_BATCH_BYTES = 16 * 1024**2  # per write pipeline: a lookup waits behind at most one
+__all__ = ["MAX_CHILDREN", "SEED_KEY", "RedisStore"]
+
 WRITE_TIMEOUT_S = 5.0
 # redis-py wraps socket failures in ConnectionError/TimeoutError; OSError covers
 # what slips through (TLS handshakes). Any RedisError is treated as an outage:
 # AuthenticationError and a loading server must back off like a dead one.
 _FAILURES: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
 _T = TypeVar("_T")
-
-
-class _Breaker:
-    """Exponential backoff after a failed call; one probe call once it expires.
-
-    States: closed (`failures == 0`, every call goes ahead), open (`now < until`,
-    every call is skipped without touching the network), half-open (backoff
-    expired: exactly one caller gets the probe ticket, the rest keep skipping).
-    A failed probe doubles the backoff (capped, +-10% jitter so that engines
-    sharing a Redis do not retry in lockstep); any success closes the breaker.
-    A failure of a call admitted while closed opens the breaker but never
-    escalates it, so a burst of in-flight calls failing together counts once.
-    """
-
-    SKIP, NORMAL, PROBE = 0, 1, 2
-
-    def __init__(self, initial_s: float, max_s: float) -> None:
-        self._initial_s = initial_s
-        self._max_s = max_s
-        self._lock = threading.Lock()
-        self.failures = 0
-        self.until = 0.0
-        self._probing = False
-
-    def admit(self) -> int:
-        with self._lock:
-            if self.failures == 0:
-                return self.NORMAL
-            if self._probing or time.monotonic() < self.until:
-                return self.SKIP
-            self._probing = True
-            return self.PROBE
-
-    def is_open(self) -> bool:
-        """True while calls would be skipped (no probe is due)."""
-        with self._lock:
-            return self.failures > 0 and (self._probing or time.monotonic() < self.until)
-
-    def succeeded(self) -> None:
-        with self._lock:
-            self.failures = 0
-            self._probing = False
-
-    def failed(self, ticket: int) -> float:
-        """Record a failure; returns the backoff now in force (s)."""
-        with self._lock:
-            if ticket == self.PROBE or self.failures == 0:
-                self.failures += 1
-                delay = min(self._initial_s * 2 ** (self.failures - 1), self._max_s)
-                self.until = time.monotonic() + delay * random.uniform(0.9, 1.1)
-            if ticket == self.PROBE:
-                self._probing = False
-            return max(0.0, self.until - time.monotonic())
 
 
 class RedisStore(KVTier):
@@ -105,8 +56,15 @@ class RedisStore(KVTier):
     read a policy that is not allkeys-*; managed Redis that forbids CONFIG is
     fine). Values, children sets and the seed key are all ordinary keys, so
     any of them may be evicted: a missing value is a miss, a dangling child is
-    skipped, and the seed is re-asserted (SET NX) with every write batch so it
-    stays recent and is recreated with the same value if it was evicted.
+    skipped, and the seed (without a cache secret) is re-asserted (SET NX) with
+    every write batch so it stays recent and is recreated with the same value
+    if it was evicted. Recency is Redis's own LRU for values; the children sets
+    order members by a counter (`children.py`), never by a clock.
+
+    With a cache secret every frame carries a MAC over its KV and metadata; a
+    frame whose MAC fails is deleted and counted (`corrupt`, and
+    `extra["mac_failures"]`), and the seed is never read from or written to
+    Redis: it is derived from the secret.
 
     Invariants:
     - No call raises for Redis trouble and none waits long on it: every socket
@@ -115,7 +73,8 @@ class RedisStore(KVTier):
       backoff expires; then one call probes, and success resumes the tier.
       Skipped and failed calls answer misses; puts are dropped.
     - `get` returns only blocks whose magic, version, hash, namespace, shape
-      and checksum verify; anything else is deleted and counted `corrupt`.
+      and checksum (and MAC) verify; anything else, whatever its bytes, is
+      deleted and counted `corrupt`; `get` never raises for a value.
     - `put` hands blocks to one writer thread through a queue bounded by
       `write_queue_bytes`; when full the block is dropped (`writes_dropped`)
       at once. The writer reads `block.kv` later, so callers pass tensors they
@@ -162,21 +121,23 @@ class RedisStore(KVTier):
         )
         kwargs = self.client.connection_pool.connection_kwargs
         self._where = f"{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}"
-        self._prefix = f"pagedkv:{namespace}:"
-        self._breaker = _Breaker(backoff_initial_s, backoff_max_s)
+        self._prefix = f"pagedkv:{namespace}:v{VERSION}:"
+        self._breaker = Breaker(backoff_initial_s, backoff_max_s)
         self._stats = TierStats(name=self.name)
         self._skipped = 0
+        self._mac_failures = 0
         self._stats_lock = threading.Lock()
         self._seed: bytes | None = None
-        self.secret = secret  # when set, every frame carries a MAC (not yet checked)
-        self._queue: deque[KVBlock] = deque()
-        self._queue_limit = write_queue_bytes
-        self._queued_bytes = 0
-        self._busy = False
-        self._closing = False
-        self._cond = threading.Condition()
-        self._writer = threading.Thread(target=self._write_loop, name="pagedkv-redis", daemon=True)
-        self._writer.start()
+        self._seed_watch = SeedWatch(self._where)
+        self.secret = secret
+        self.open_warning = warn_if_open(kwargs, self._where, secret is not None)
+        self._add_child = AddChild(self._write_client)
+        self._writes = WriteQueue(
+            write_queue_bytes,
+            self._write,
+            self._check_server,
+            lambda n: self._count(writes_dropped=n),
+        )
 
     # -- keys -------------------------------------------------------------
 
@@ -193,13 +154,15 @@ class RedisStore(KVTier):
             for field_name, delta in deltas.items():
                 if field_name == "skipped":
                     self._skipped += delta
+                elif field_name == "mac_failures":
+                    self._mac_failures += delta
                 else:
                     setattr(self._stats, field_name, getattr(self._stats, field_name) + delta)
 
     def _call(self, op: Callable[[], _T]) -> tuple[bool, _T | None]:
         """Run `op` unless the tier is backing off; (False, None) on skip or failure."""
         ticket = self._breaker.admit()
-        if ticket == _Breaker.SKIP:
+        if ticket == Breaker.SKIP:
             self._count(skipped=1)
             return False, None
         try:
@@ -215,10 +178,16 @@ class RedisStore(KVTier):
                     self._where, type(exc).__name__, exc, backoff,
                 )  # fmt: skip
             return False, None
-        if ticket == _Breaker.PROBE:
-            log.warning("Redis tier at %s is reachable again; resuming", self._where)
         self._breaker.succeeded()
+        if ticket == Breaker.PROBE:
+            log.warning("Redis tier at %s is reachable again; resuming", self._where)
+            self._recheck_seed()
         return True, result
+
+    def _recheck_seed(self) -> None:
+        if self.secret is None:
+            with contextlib.suppress(*_FAILURES):  # the next recovery checks again
+                self._seed_watch.check(self.client)
 
     # -- KVTier -------------------------------------------------------------
 
@@ -245,35 +214,44 @@ class RedisStore(KVTier):
             return [None] * len(hashes)
         out: list[KVBlock | None] = []
         bad: list[str] = []
+        problems: list[str] = []
         nbytes = 0
         for key, h, value in zip(keys, hashes, values, strict=True):
-            block = None if value is None else decode_frame(value, h, self.namespace)
-            if value is not None:
+            block = None
+            if isinstance(value, bytes | bytearray):
                 nbytes += len(value)
+                checked = check_frame(value, h, self.namespace, self.secret)
+                block = checked.block
                 if block is None:
                     bad.append(key)
+                    problems.append(checked.problem)
+            elif value is not None:  # not what MGET returns; treated as a bad value
+                bad.append(key)
+                problems.append(f"a {type(value).__name__}, not bytes")
             out.append(block)
         hits = sum(b is not None for b in out)
-        self._count(hits=hits, misses=len(out) - hits, bytes_read=nbytes, corrupt=len(bad))
+        macs = problems.count(MAC_FAILED)
+        self._count(
+            hits=hits,
+            misses=len(out) - hits,
+            bytes_read=nbytes,
+            corrupt=len(bad),
+            mac_failures=macs,
+        )
         if bad:
-            log.warning("Redis tier: %d stored block(s) failed verification; deleted", len(bad))
+            log.warning(
+                "Redis tier: %d stored block(s) failed verification (%d MAC failures; "
+                "first: %s); deleted",
+                len(bad), macs, problems[0],
+            )  # fmt: skip
             self._call(lambda: self.client.delete(*bad))
         return out
 
     def put(self, blocks: Sequence[KVBlock]) -> None:
-        if self._breaker.is_open() or self._closing:
+        if self._breaker.is_open() or self._writes.closing:
             self._count(writes_dropped=len(blocks), skipped=1 if blocks else 0)
             return
-        dropped = 0
-        with self._cond:
-            for block in blocks:
-                size = block.num_bytes
-                if self._queued_bytes + size > self._queue_limit:
-                    dropped += 1
-                    continue
-                self._queue.append(block)
-                self._queued_bytes += size
-            self._cond.notify()
+        dropped = self._writes.put(blocks)
         if dropped:
             self._count(writes_dropped=dropped)
 
@@ -292,14 +270,11 @@ class RedisStore(KVTier):
         kept: list[bytes] = []
         broken: list[bytes] = []
         for member in members:
-            hash_len = member[0] if member else 0
-            tokens = member[1 + hash_len :]
-            if hash_len == 0 or len(member) < 1 + hash_len or len(tokens) % 4:
+            meta = parse_member(member, parent_key, self.namespace)
+            if meta is None:
                 broken.append(member)
                 continue
-            token_ids = np.frombuffer(tokens, dtype="<i4").astype(np.int32)
-            block_hash = member[1 : 1 + hash_len]
-            metas.append(BlockMeta(block_hash, parent_key, token_ids, self.namespace))
+            metas.append(meta)
             kept.append(member)
         live = self.contains([m.block_hash for m in metas]) if metas else []
         broken += [member for member, alive in zip(kept, live, strict=True) if not alive]
@@ -308,17 +283,15 @@ class RedisStore(KVTier):
         return [meta for meta, alive in zip(metas, live, strict=True) if alive]
 
     def clear(self, namespace: str) -> int:
-        """Unlink every key of `namespace` (block values and children sets), with SCAN
-        in batches so Redis never blocks on one big command; other namespaces and the
-        seed stay. Queued writes of this store's namespace are dropped first. Returns
-        the number of keys removed; a Redis that fails midway leaves the rest to LRU."""
+        """Unlink every key of `namespace` (block values and children sets of every
+        format version), with SCAN in batches so Redis never blocks on one big
+        command; other namespaces and the seed stay. Queued writes of this store's
+        namespace are dropped first. Returns the number of keys removed; a Redis that
+        fails midway leaves the rest to LRU."""
         if ":" in namespace or not namespace:
             raise ValueError(f"not a namespace: {namespace!r}")
         if namespace == self.namespace:
-            with self._cond:
-                dropped = [b for b in self._queue if b.meta.namespace == namespace]
-                self._queue = deque(b for b in self._queue if b.meta.namespace != namespace)
-                self._queued_bytes -= sum(b.num_bytes for b in dropped)
+            self._writes.drop_namespace(namespace)
         pattern = f"pagedkv:{namespace}:*"
 
         def op() -> int:
@@ -337,7 +310,11 @@ class RedisStore(KVTier):
         return int(removed or 0) if ok else 0
 
     def seed(self, candidate: bytes) -> bytes | None:
-        """The shared hashing seed: `candidate` if no engine set one first; None if unreachable."""
+        """The shared hashing seed: `candidate` if no engine set one first; None if
+        unreachable, and None with a cache secret, whose derived seed is never stored
+        where Redis's readers could take it."""
+        if self.secret is not None:
+            return None
 
         def op() -> Any:
             pipe = self.client.pipeline(transaction=False)
@@ -351,77 +328,50 @@ class RedisStore(KVTier):
         self._seed = value
         return value
 
+    def check_seed(self, seed: bytes) -> bool:
+        """True (with one warning) when Redis keeps another seed than `seed`; checked
+        again whenever Redis recovers from an outage (`SeedWatch`)."""
+        if self.secret is not None:
+            return False
+        self._seed_watch.in_use = seed
+        ok, mismatch = self._call(lambda: self._seed_watch.check(self.client))
+        return bool(ok and mismatch)
+
     def stats(self) -> TierStats:
         with self._stats_lock:
             out = replace(self._stats, location=self._where, extra={})
             skipped = self._skipped
+            mac_failures = self._mac_failures
         backoff = max(0.0, self._breaker.until - time.monotonic()) if self._breaker.failures else 0
         out.extra = {
             "available": not self._breaker.is_open(),
             "skipped": skipped,
             "backoff_s": round(backoff, 3),
             "consecutive_failures": self._breaker.failures,
-            "queued_bytes": self._queued_bytes,
+            "queued_bytes": self._writes.queued_bytes,
+            "mac_failures": mac_failures,
+            "authenticated": self.secret is not None,
+            "seed_mismatch": self._seed_watch.mismatch,
         }
         return out
 
     def flush(self, timeout: float = 10.0) -> bool:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+        return self._writes.flush(timeout)
 
     def close(self) -> None:
         self.flush(timeout=2.0)
-        with self._cond:
-            self._closing = True
-            dropped = len(self._queue)
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._cond.notify_all()
-        self._count(writes_dropped=dropped)
-        self._writer.join(timeout=2.0)
+        self._count(writes_dropped=self._writes.close())
         self.client.close()
         self._write_client.close()
 
-    # -- writer thread ------------------------------------------------------
-
-    def _write_loop(self) -> None:
-        self._check_server()
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if self._closing:
-                    return
-                batch: list[KVBlock] = []
-                size = 0
-                while self._queue and (not batch or size < _BATCH_BYTES):
-                    block = self._queue.popleft()
-                    batch.append(block)
-                    size += block.num_bytes
-                self._busy = True
-            try:
-                self._write(batch)
-            except Exception:  # the writer must outlive any bad block
-                log.exception("Redis tier: writing %d block(s) failed", len(batch))
-                self._count(writes_dropped=len(batch))
-            finally:
-                with self._cond:
-                    self._queued_bytes -= size
-                    self._busy = False
-                    self._cond.notify_all()
+    # -- on the writer thread -------------------------------------------------
 
     def _write(self, blocks: list[KVBlock]) -> None:
         batch: list[KVBlock] = []
         frames: list[bytes] = []
         for block in blocks:
             try:
-                frames.append(encode_frame(block))
+                frames.append(encode_frame(block, self.secret))
                 batch.append(block)
             except ValueError as exc:
                 log.warning("Redis tier: block not stored: %s", exc)
@@ -431,16 +381,11 @@ class RedisStore(KVTier):
 
         def op() -> list[Any]:
             pipe = self._write_client.pipeline(transaction=False)
-            now = time.time()
             for block, frame in zip(batch, frames, strict=True):
                 meta = block.meta
-                h = meta.block_hash
-                member = bytes((len(h),)) + h + np.asarray(meta.token_ids, "<i4").tobytes()
-                zkey = self._children_key(meta.parent_key)
-                pipe.set(self._key(h), frame)
-                pipe.zadd(zkey, {member: now})
-                pipe.zremrangebyrank(zkey, 0, -MAX_CHILDREN - 1)
-            if self._seed is not None:
+                pipe.set(self._key(meta.block_hash), frame)
+                self._add_child(pipe, self._children_key(meta.parent_key), child_member(meta))
+            if self._seed is not None and self.secret is None:
                 pipe.set(SEED_KEY, self._seed, nx=True)
             return pipe.execute(raise_on_error=False)
 
@@ -448,7 +393,7 @@ class RedisStore(KVTier):
         if not ok or results is None:
             self._count(writes_dropped=len(batch))
             return
-        written = [not isinstance(r, Exception) for r in results[0 : 3 * len(batch) : 3]]
+        written = [not isinstance(r, Exception) for r in results[0 : 2 * len(batch) : 2]]
         nbytes = sum(len(f) for f, w in zip(frames, written, strict=True) if w)
         self._count(
             blocks_written=sum(written),
@@ -461,21 +406,7 @@ class RedisStore(KVTier):
             log.warning("Redis tier: server refused %d write(s): %s", refused, error)
 
     def _check_server(self) -> None:
-        try:
-            raw = cast("dict[Any, Any]", self.client.config_get("maxmemory*"))
-        except _FAILURES:
-            return  # unreachable, or CONFIG is forbidden (managed Redis)
-        config = {_text(k): _text(v) for k, v in raw.items()}  # str or bytes by version
-        policy = config.get("maxmemory-policy", "")
-        with self._stats_lock:
-            self._stats.capacity_bytes = int(config.get("maxmemory") or 0)
-        if policy and not policy.startswith("allkeys-"):
-            log.warning(
-                "Redis at %s runs maxmemory-policy %s; pagedkv needs an allkeys-* policy "
-                "(allkeys-lru) or the cache fills Redis and writes fail",
-                self._where, policy,
-            )  # fmt: skip
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+        capacity = check_policy(self.client, self._where)
+        if capacity is not None:
+            with self._stats_lock:
+                self._stats.capacity_bytes = capacity
