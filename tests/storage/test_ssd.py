@@ -227,6 +227,8 @@ def test_startup_reconciles_files_and_rows(new_store, tmp_path: Path) -> None:
     leaf = block_path(root, blocks[0].meta.block_hash).parent
     stale = leaf / f"{blocks[0].meta.block_hash.hex()}.safetensors.tmp-4194399-abcd"
     stale.write_bytes(b"half a block")
+    an_hour_ago = time.time() - 3700  # a pid-named (pre-lock) temporary is stale after an hour
+    os.utime(stale, (an_hour_ago, an_hour_ago))
     junk = leaf / "junk.bin"
     junk.write_bytes(b"junk")
     fake = block_path(root, block_hash(555))

@@ -11,7 +11,15 @@ Invariants:
 - `usage` holds, per namespace, the count and byte sum of `blocks`, kept
   exact by triggers in the same transaction, so the capacity check on every
   write reads a few rows instead of summing the whole table.
-- `last_access` is wall-clock time, so LRU order survives restarts.
+- `last_access` is a tick of the directory's logical clock (table `clock`,
+  one counter advanced by every write transaction that stores or touches
+  blocks), so LRU order survives restarts and no clock step can reorder it.
+  Wall-clock time was rejected: stepping the clock back a day made every new
+  block look older than every old one. A database from before the counter
+  starts it above its largest wall-clock `last_access`, so its rows stay older.
+- Connections run with `trusted_schema=OFF`: the file may have been edited by
+  someone else, and its triggers and views then must not call functions
+  with side effects.
 
 One connection per thread (`threading.local`), reopened in a forked child.
 WAL mode lets readers run while a writer commits; write transactions start
@@ -24,7 +32,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -33,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv.storage.base import BlockMeta
+from pagedkv.storage.ssd.ownership import create_private
 
 BUSY_TIMEOUT_MS = 10_000
 _CHUNK = 500  # SQLite caps bound variables (32766 here, 999 in old builds)
@@ -48,6 +56,9 @@ CREATE TABLE IF NOT EXISTS blocks (
     last_access REAL NOT NULL,
     token_ids BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS clock (id INTEGER PRIMARY KEY CHECK (id = 0), tick INTEGER NOT NULL);
+INSERT OR IGNORE INTO clock
+    SELECT 0, CAST(COALESCE(MAX(last_access), 0) AS INTEGER) + 1 FROM blocks;
 CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent_hash);
 CREATE INDEX IF NOT EXISTS blocks_access ON blocks(last_access);
 CREATE INDEX IF NOT EXISTS blocks_ns_access ON blocks(namespace, last_access);
@@ -116,6 +127,8 @@ class SSDIndex:
         self._all: list[sqlite3.Connection] = []
         self._all_lock = threading.Lock()
         try:
+            if not read_only and str(path) != ":memory:":
+                create_private(path)
             conn = self._conn()
             if not read_only and str(path) != ":memory:":
                 conn.execute("PRAGMA journal_mode=WAL")
@@ -141,6 +154,7 @@ class SSDIndex:
             # last commits, which only turns their blocks into files without rows.
             conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA trusted_schema=OFF")
         if str(self.path) == ":memory:":  # every thread's connection is a database of its own
             conn.executescript(_SCHEMA)
         return conn
@@ -252,8 +266,35 @@ class SSDIndex:
     def upsert(
         self, metas: Iterable[tuple[BlockMeta, int, bytes]], touches: Iterable[bytes] = ()
     ) -> None:
-        """Insert rows for written files `(meta, file bytes, checksum)`; touch `touches`."""
-        now = time.time()
+        """Insert rows for written files `(meta, file bytes, checksum)`; touch `touches`.
+        All of them get the clock's next tick."""
+        metas = list(metas)
+        touches = list(touches)
+        if not metas and not touches:
+            return
+        with self.transaction() as conn:
+            now = self._tick(conn)
+            self._write_rows(conn, metas, touches, now)
+
+    @staticmethod
+    def _tick(conn: sqlite3.Connection) -> int:
+        """Advance the logical clock; inside the caller's write transaction."""
+        conn.execute("UPDATE clock SET tick = tick + 1 WHERE id = 0")
+        row = conn.execute("SELECT tick FROM clock WHERE id = 0").fetchone()
+        return int(row[0]) if row else 0
+
+    def clock(self) -> int:
+        """The current tick (the last access of the most recently used block)."""
+        row = self._conn().execute("SELECT tick FROM clock WHERE id = 0").fetchone()
+        return int(row[0]) if row else 0
+
+    @staticmethod
+    def _write_rows(
+        conn: sqlite3.Connection,
+        metas: list[tuple[BlockMeta, int, bytes]],
+        touches: list[bytes],
+        now: int,
+    ) -> None:
         rows = [
             (
                 m.block_hash,
@@ -268,14 +309,11 @@ class SSDIndex:
             for m, size, checksum in metas
         ]
         touched = [(now, h) for h in touches]
-        if not rows and not touched:
-            return
-        with self.transaction() as conn:
-            conn.executemany(_UPSERT, rows)
-            conn.executemany("UPDATE blocks SET last_access = ? WHERE hash = ?", touched)
+        conn.executemany(_UPSERT, rows)
+        conn.executemany("UPDATE blocks SET last_access = ? WHERE hash = ?", touched)
 
-    def insert_row(self, meta: BlockMeta, size: int, checksum: bytes, last_access: float) -> None:
-        """A row for a file found on disk, with its file's time as its access time."""
+    def insert_row(self, meta: BlockMeta, size: int, checksum: bytes, last_access: int = 0) -> None:
+        """A row for a file found on disk; access tick 0 by default, so it ages out first."""
         tokens = np.ascontiguousarray(meta.token_ids, dtype="<i4").tobytes()
         row = (meta.block_hash, meta.parent_key, meta.namespace, meta.num_tokens)
         with self.transaction() as conn:
