@@ -25,9 +25,10 @@ from ssd_worker import NAMESPACE, block_hash, make_block, same_block
 from pagedkv.storage.base import block_checksum
 from pagedkv.storage.ssd import io as ssd_io
 from pagedkv.storage.ssd import writer as ssd_writer
-from pagedkv.storage.ssd.format import block_path, decode_file, encode_file, file_size
+from pagedkv.storage.ssd.format import decode_file, encode_file, file_size
 from pagedkv.storage.ssd.io import read_file
 from pagedkv.storage.ssd.store import SSDStore, cache_stats, check_cache, clear_cache
+from pagedkv.storage.ssd.versions import block_path
 
 WORKER = Path(__file__).with_name("ssd_worker.py")
 MiB = 1024**2

@@ -20,9 +20,10 @@ from pagedkv.errors import CacheCorruptionError
 from pagedkv.storage.base import block_checksum
 from pagedkv.storage.secret import CacheSecret
 from pagedkv.storage.ssd import writer as ssd_writer
-from pagedkv.storage.ssd.format import block_path, decode_file, encode_file, file_size
+from pagedkv.storage.ssd.format import decode_file, encode_file, file_size
 from pagedkv.storage.ssd.ownership import UnsafeCacheDirectoryError, WriterLock
 from pagedkv.storage.ssd.store import SSDStore
+from pagedkv.storage.ssd.versions import block_path
 
 SECRET = CacheSecret(b"k" * 32)
 

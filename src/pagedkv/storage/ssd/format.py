@@ -25,7 +25,6 @@ import hmac
 import json
 import math
 import struct
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,12 +55,6 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
 }
 _BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
-
-
-def block_path(root: Path, block_hash: bytes) -> Path:
-    """`<root>/blocks/<hh>/<hh>/<hash hex>.safetensors`; 65536 leaf directories at most."""
-    hexed = block_hash.hex()
-    return root / "blocks" / hexed[:2] / hexed[2:4] / (hexed + SUFFIX)
 
 
 def _mac(

@@ -14,6 +14,9 @@ Choices:
   private (`ssd_ownership`).
 - A temporary file is stale when no live writer holds the lock named in it
   (`ssd_ownership.is_stale_temp`); lock files nobody holds are removed too.
+- Only this format version's rows and tree are reconciled: another
+  version's files (`ssd_versions`) are neither re-indexed nor deleted here,
+  and a file of another version found in this version's tree is corrupt.
 - Rows are read before the tree is listed, so a file written meanwhile by
   another process looks unknown (and is re-indexed), never missing.
 """
@@ -28,11 +31,12 @@ from pathlib import Path
 
 from pagedkv.errors import CacheCorruptionError
 from pagedkv.storage.secret import CacheSecret
-from pagedkv.storage.ssd.format import SUFFIX, block_path, decode_file
+from pagedkv.storage.ssd.format import SUFFIX, decode_file
 from pagedkv.storage.ssd.index import NamespaceUsage, SSDIndex
 from pagedkv.storage.ssd.io import read_file
 from pagedkv.storage.ssd.ownership import TEMP_MARK, is_stale_temp, stale_locks
 from pagedkv.storage.ssd.seed import SEED_NAME
+from pagedkv.storage.ssd.versions import block_path, is_version_dir, version_tree
 
 INDEX_NAME = "index.sqlite"
 
@@ -69,7 +73,9 @@ class CheckReport:
 class DirectoryStats:
     """Blocks and bytes in a cache directory, in total and per namespace.
     `bytes_per_token`: file bytes (KV, token ids, header) per cached token, by namespace:
-    what a token of each model and KV dtype costs on this disk."""
+    what a token of each model and KV dtype costs on this disk. Counts are this block
+    format version's; `other_versions` has other versions' blocks and bytes, by version
+    (invisible to this one, but within the same capacity; see `ssd_versions`)."""
 
     directory: str
     num_blocks: int
@@ -78,6 +84,7 @@ class DirectoryStats:
     has_seed: bool
     num_tokens: int = 0
     bytes_per_token: dict[str, float] = field(default_factory=dict)
+    other_versions: dict[str, NamespaceUsage] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -100,12 +107,15 @@ def _hash_of(name: str, hh1: str, hh2: str) -> bytes | None:
 
 
 def scan_tree(root: Path) -> TreeScan:
-    """Every file under `<root>/blocks/<hh>/<hh>/`, sorted into blocks, junk and stale temps."""
+    """Every file in this format version's tree (`<tree>/<hh>/<hh>/`), sorted into
+    blocks, junk and stale temps. Other versions' trees are not looked into."""
     scan = TreeScan()
-    top = root / "blocks"
+    top = version_tree(root)
     if not top.is_dir():
         return scan
     for level1 in os.scandir(top):
+        if top == root / "blocks" and is_version_dir(level1.name):
+            continue  # a later version's tree inside the first version's
         if not level1.is_dir(follow_symlinks=False):
             scan.junk.append(Path(level1.path))
             continue
@@ -257,6 +267,7 @@ def _stats(root: Path, index: SSDIndex) -> DirectoryStats:
         bytes_used=sum(u.num_bytes for u in usage.values()),
         namespaces=usage,
         has_seed=(root / SEED_NAME).is_file(),
+        other_versions=index.other_versions_usage(),
         num_tokens=sum(tokens.values()),
         bytes_per_token={
             ns: round(u.num_bytes / tokens[ns], 1) for ns, u in usage.items() if tokens.get(ns)

@@ -31,8 +31,11 @@ Invariants and ordering rules (python-diskcache's `Cache.set` is the model):
   crash, and after a power loss the checksum turns a torn file into a miss;
   `fsync=True` buys durability for one sync per block.
 - Start-up deletes stale temporaries, re-indexes block files without rows
-  that verify, MAC included when a secret is set (deletes the others), drops rows without files (see
-  `ssd_maintenance`), then enforces capacity.
+  that verify, MAC included when a secret is set (deletes the others), drops
+  rows without files (see `ssd_maintenance`), then enforces capacity.
+- Each block-file format version has files and rows of its own
+  (`ssd_versions`): during a rolling upgrade two versions neither see nor
+  delete each other's blocks, but share the capacity and one LRU order.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pathlib import Path
 from pagedkv.errors import CacheCorruptionError
 from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
 from pagedkv.storage.secret import CacheSecret
-from pagedkv.storage.ssd.format import BlockAuthenticationError, block_path, decode_file
+from pagedkv.storage.ssd.format import BlockAuthenticationError, decode_file
 from pagedkv.storage.ssd.index import IndexRow, NamespaceUsage, SSDIndex
 from pagedkv.storage.ssd.io import read_file
 from pagedkv.storage.ssd.maintenance import (
@@ -63,6 +66,7 @@ from pagedkv.storage.ssd.maintenance import (
 )
 from pagedkv.storage.ssd.ownership import check_directory, make_private_dir
 from pagedkv.storage.ssd.seed import read_or_create_seed, read_seed
+from pagedkv.storage.ssd.versions import block_path, version_tree
 from pagedkv.storage.ssd.writer import BlockWriter, Counters
 
 __all__ = [
@@ -116,7 +120,7 @@ class SSDStore(KVTier):
         open_error: BaseException | None = None
         check_directory(self.directory)  # raises UnsafeCacheDirectoryError: no fallback
         try:
-            make_private_dir(self.directory / "blocks")
+            make_private_dir(version_tree(self.directory))
             self._index = SSDIndex(self.directory / INDEX_NAME)
         except (OSError, sqlite3.Error) as exc:
             open_error = exc
@@ -352,21 +356,24 @@ class SSDStore(KVTier):
         return found
 
     def stats(self) -> TierStats:
-        """This store's counters. `num_blocks` and `bytes_used` cover the whole directory
-        (what `capacity_bytes` bounds); `extra` has this namespace's share."""
+        """This store's counters. `num_blocks` and `bytes_used` cover the whole directory,
+        other format versions' blocks included (what `capacity_bytes` bounds); `extra`
+        has this namespace's share and other versions' blocks (`other_version_blocks`)."""
         try:
             usage = self._index.usage()
+            others = self._index.other_versions_usage()
         except sqlite3.Error:
-            usage = {}
+            usage, others = {}, {}
         mine = usage.get(self.namespace, NamespaceUsage(0, 0))
+        directory = [*usage.values(), *others.values()]
         queued_blocks, queued_bytes = self._writer.queue_size()
         with self._counters.lock:
             s = self._counters.stats
             result = TierStats(
                 self.name, s.hits, s.misses, s.bytes_read, s.bytes_written, s.blocks_written,
                 s.writes_dropped, s.corrupt, s.errors,
-                num_blocks=sum(u.num_blocks for u in usage.values()),
-                bytes_used=sum(u.num_bytes for u in usage.values()),
+                num_blocks=sum(u.num_blocks for u in directory),
+                bytes_used=sum(u.num_bytes for u in directory),
                 capacity_bytes=self.capacity_bytes,
                 location=str(self.directory),
             )  # fmt: skip
@@ -375,6 +382,7 @@ class SSDStore(KVTier):
             namespace_blocks=mine.num_blocks,
             namespace_bytes=mine.num_bytes,
             namespaces=len(usage),
+            other_version_blocks=sum(u.num_blocks for u in others.values()),
             queued_blocks=queued_blocks,
             queued_bytes=queued_bytes,
             writes_disabled=self.writes_disabled,

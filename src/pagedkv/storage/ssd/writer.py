@@ -39,10 +39,11 @@ from typing import NoReturn
 
 from pagedkv.storage.base import BlockMeta, KVBlock, TierStats, block_checksum
 from pagedkv.storage.secret import CacheSecret
-from pagedkv.storage.ssd.format import block_path, encode_file, file_size
+from pagedkv.storage.ssd.format import encode_file, file_size
 from pagedkv.storage.ssd.index import SSDIndex
 from pagedkv.storage.ssd.maintenance import unlink_quiet
 from pagedkv.storage.ssd.ownership import WriterLock, make_private_dir, write_temp
+from pagedkv.storage.ssd.versions import block_path
 
 log = logging.getLogger("pagedkv.storage.ssd")
 
@@ -345,8 +346,8 @@ class BlockWriter:
                 self.quota_bytes,
                 incoming_bytes,
             )
-            for h in victims:
-                unlink_quiet(block_path(self.directory, h))
+            for version, h in victims:  # other format versions' blocks too
+                unlink_quiet(block_path(self.directory, h, version))
         self.counters.add("evictions", len(victims))
 
     def _fail(self, exc: Exception, num_blocks: int) -> NoReturn:
