@@ -20,7 +20,13 @@ from pagedkv.errors import CacheCorruptionError
 from pagedkv.storage.base import block_checksum
 from pagedkv.storage.secret import CacheSecret
 from pagedkv.storage.ssd import writer as ssd_writer
-from pagedkv.storage.ssd.format import decode_file, encode_file, file_size
+from pagedkv.storage.ssd.format import (
+    BlockAuthenticationError,
+    decode_file,
+    encode_file,
+    file_size,
+    parse_header,
+)
 from pagedkv.storage.ssd.ownership import UnsafeCacheDirectoryError, WriterLock
 from pagedkv.storage.ssd.store import SSDStore
 from pagedkv.storage.ssd.versions import block_path
@@ -65,6 +71,21 @@ def test_forged_file_with_valid_checksum_is_rejected_with_a_secret(tmp_path: Pat
     assert stats.extra["mac_failures"] == 1 and stats.corrupt == 1
     assert not path.exists()
     store.close()
+
+
+@pytest.mark.parametrize("part", ["kv", "token_ids"])
+def test_the_mac_covers_the_kv_bytes_and_the_token_ids(part: str) -> None:
+    """One byte changed in the data, header (and so MAC and checksum fields) untouched:
+    the MAC, checked before the checksum, must be what rejects it."""
+    block = make_block(1)
+    raw = bytearray(_file_bytes(block, SECRET))
+    header, start = parse_header(memoryview(bytes(raw)))
+    entry = header[part]
+    assert isinstance(entry, dict)
+    raw[start + entry["data_offsets"][0]] ^= 0x01
+    data = torch.frombuffer(raw, dtype=torch.uint8)
+    with pytest.raises(BlockAuthenticationError):
+        decode_file(data, block.meta.block_hash, secret=SECRET)
 
 
 def test_unindexed_files_are_served_only_if_their_mac_verifies(tmp_path: Path) -> None:
