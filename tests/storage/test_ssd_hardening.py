@@ -5,8 +5,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sqlite3
 import stat
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from pagedkv.storage.ssd.format import (
     file_size,
     parse_header,
 )
+from pagedkv.storage.ssd.index import SSDIndex
 from pagedkv.storage.ssd.ownership import UnsafeCacheDirectoryError, WriterLock
 from pagedkv.storage.ssd.store import SSDStore
 from pagedkv.storage.ssd.versions import block_path
@@ -277,3 +280,23 @@ def test_header_numbers_never_escape_as_other_exceptions() -> None:
         data = struct.pack("<Q", len(bad)) + bad + raw[8 + length :]
         with pytest.raises(CacheCorruptionError):
             decode_file(torch.frombuffer(bytearray(data), dtype=torch.uint8), block.meta.block_hash)
+
+
+def test_opening_a_new_index_waits_while_another_process_holds_it(tmp_path: Path) -> None:
+    """Two engines started together on a new directory: one holds the empty new index
+    (rollback mode still) while the other switches it to WAL, which SQLite fails at
+    once with "database is locked" instead of waiting on busy_timeout."""
+    path = tmp_path / "index.sqlite"
+    path.touch(mode=0o600)  # as `create_private` leaves it for SQLite
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.3, holder.execute, ("COMMIT",))
+    release.start()
+    start = time.monotonic()
+    index = SSDIndex(path)
+    assert time.monotonic() - start >= 0.25  # it waited for the holder, then went on
+    assert index.usage() == {}
+    assert index.hashes() == []
+    release.join()
+    index.close()
+    holder.close()

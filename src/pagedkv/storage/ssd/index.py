@@ -36,6 +36,7 @@ import heapq
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -114,11 +115,34 @@ class SSDIndex:
                 create_private(path)
             conn = self._conn()
             if not read_only and str(path) != ":memory:":
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.executescript("BEGIN IMMEDIATE;" + schema(self._t) + "COMMIT;")
+                self._initialise(conn)
         except BaseException:
             self.close()
             raise
+
+    def _initialise(self, conn: sqlite3.Connection) -> None:
+        """WAL mode and this version's tables, retried while another process does the same.
+
+        Switching a new (empty, rollback-mode) database to WAL takes an exclusive
+        lock, and SQLite fails it at once with "database is locked", without
+        waiting on `busy_timeout`, when other processes open the same new file at
+        that moment (1-13 in 400 opens, four processes at a time, in a test). Two
+        engines started together on a new directory hit exactly that.
+        """
+        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        pause = 0.005
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.executescript("BEGIN IMMEDIATE;" + schema(self._t) + "COMMIT;")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                    raise
+                with suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
     def _connect(self) -> sqlite3.Connection:
         if self.read_only:
