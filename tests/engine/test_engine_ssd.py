@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,8 @@ def test_damaged_files_are_misses_and_go_away(
             victim.write_bytes(os.urandom(victim.stat().st_size))
     leftover = victims[0].parent / (victims[0].name + f".tmp-{_dead_pid()}-abc")
     leftover.write_bytes(b"half a block")
+    aged = time.time() - 3700  # a pid-named (pre-lock) temporary is stale after an hour
+    os.utime(leftover, (aged, aged))
     with Engine.from_pretrained(str(tiny_llama_dir), config=_cfg(ssd)) as eng:
         r = eng.generate(prompt, GREEDY)
         ssd_stats = eng.cache_stats().cache.tiers["ssd"]

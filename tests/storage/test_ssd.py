@@ -25,9 +25,10 @@ from ssd_worker import NAMESPACE, block_hash, make_block, same_block
 from pagedkv.storage.base import block_checksum
 from pagedkv.storage.ssd import io as ssd_io
 from pagedkv.storage.ssd import writer as ssd_writer
-from pagedkv.storage.ssd.format import block_path, decode_file, encode_file, file_size
+from pagedkv.storage.ssd.format import decode_file, encode_file, file_size
 from pagedkv.storage.ssd.io import read_file
 from pagedkv.storage.ssd.store import SSDStore, cache_stats, check_cache, clear_cache
+from pagedkv.storage.ssd.versions import block_path
 
 WORKER = Path(__file__).with_name("ssd_worker.py")
 MiB = 1024**2
@@ -227,6 +228,8 @@ def test_startup_reconciles_files_and_rows(new_store, tmp_path: Path) -> None:
     leaf = block_path(root, blocks[0].meta.block_hash).parent
     stale = leaf / f"{blocks[0].meta.block_hash.hex()}.safetensors.tmp-4194399-abcd"
     stale.write_bytes(b"half a block")
+    an_hour_ago = time.time() - 3700  # a pid-named (pre-lock) temporary is stale after an hour
+    os.utime(stale, (an_hour_ago, an_hour_ago))
     junk = leaf / "junk.bin"
     junk.write_bytes(b"junk")
     fake = block_path(root, block_hash(555))

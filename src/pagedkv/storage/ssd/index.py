@@ -11,7 +11,18 @@ Invariants:
 - `usage` holds, per namespace, the count and byte sum of `blocks`, kept
   exact by triggers in the same transaction, so the capacity check on every
   write reads a few rows instead of summing the whole table.
-- `last_access` is wall-clock time, so LRU order survives restarts.
+- `last_access` is a tick of the directory's logical clock (table `clock`,
+  one counter advanced by every write transaction that stores or touches
+  blocks), so LRU order survives restarts and no clock step can reorder it.
+  Wall-clock time was rejected: stepping the clock back a day made every new
+  block look older than every old one. A database from before the counter
+  starts it above its largest wall-clock `last_access`, so its rows stay older.
+- Each block-file format version has tables of its own (`ssd_versions`):
+  every query here sees this version's rows only, but the capacity count
+  and LRU eviction cover every version's.
+- Connections run with `trusted_schema=OFF`: the file may have been edited by
+  someone else, and its triggers and views then must not call functions
+  with side effects.
 
 One connection per thread (`threading.local`), reopened in a forked child.
 WAL mode lets readers run while a writer commits; write transactions start
@@ -21,6 +32,7 @@ failing a read-to-write upgrade with SQLITE_BUSY.
 
 from __future__ import annotations
 
+import heapq
 import os
 import sqlite3
 import threading
@@ -33,59 +45,12 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv.storage.base import BlockMeta
+from pagedkv.storage.ssd.ownership import create_private
+from pagedkv.storage.ssd.schema import schema, upsert_sql
+from pagedkv.storage.ssd.versions import current_version, other_versions, tables_for
 
 BUSY_TIMEOUT_MS = 10_000
 _CHUNK = 500  # SQLite caps bound variables (32766 here, 999 in old builds)
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS blocks (
-    hash BLOB PRIMARY KEY,
-    parent_hash BLOB NOT NULL,
-    namespace TEXT NOT NULL,
-    num_tokens INTEGER NOT NULL,
-    num_bytes INTEGER NOT NULL,
-    checksum BLOB NOT NULL,
-    last_access REAL NOT NULL,
-    token_ids BLOB NOT NULL
-);
-CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent_hash);
-CREATE INDEX IF NOT EXISTS blocks_access ON blocks(last_access);
-CREATE INDEX IF NOT EXISTS blocks_ns_access ON blocks(namespace, last_access);
-CREATE TABLE IF NOT EXISTS usage (
-    namespace TEXT PRIMARY KEY,
-    num_blocks INTEGER NOT NULL,
-    num_bytes INTEGER NOT NULL
-);
--- A plain INSERT ... WHERE NOT EXISTS, not INSERT OR IGNORE: inside a trigger the
--- outer statement's conflict policy (the upsert's) would override the IGNORE.
-CREATE TRIGGER IF NOT EXISTS blocks_insert AFTER INSERT ON blocks BEGIN
-    INSERT INTO usage SELECT NEW.namespace, 0, 0
-        WHERE NOT EXISTS (SELECT 1 FROM usage WHERE namespace = NEW.namespace);
-    UPDATE usage SET num_blocks = num_blocks + 1, num_bytes = num_bytes + NEW.num_bytes
-        WHERE namespace = NEW.namespace;
-END;
-CREATE TRIGGER IF NOT EXISTS blocks_delete AFTER DELETE ON blocks BEGIN
-    UPDATE usage SET num_blocks = num_blocks - 1, num_bytes = num_bytes - OLD.num_bytes
-        WHERE namespace = OLD.namespace;
-END;
-CREATE TRIGGER IF NOT EXISTS blocks_update AFTER UPDATE OF namespace, num_bytes ON blocks BEGIN
-    UPDATE usage SET num_blocks = num_blocks - 1, num_bytes = num_bytes - OLD.num_bytes
-        WHERE namespace = OLD.namespace;
-    INSERT INTO usage SELECT NEW.namespace, 0, 0
-        WHERE NOT EXISTS (SELECT 1 FROM usage WHERE namespace = NEW.namespace);
-    UPDATE usage SET num_blocks = num_blocks + 1, num_bytes = num_bytes + NEW.num_bytes
-        WHERE namespace = NEW.namespace;
-END;
-"""
-
-_UPSERT = """
-INSERT INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT(hash) DO UPDATE SET
-    parent_hash = excluded.parent_hash, namespace = excluded.namespace,
-    num_tokens = excluded.num_tokens, num_bytes = excluded.num_bytes,
-    checksum = excluded.checksum, last_access = excluded.last_access,
-    token_ids = excluded.token_ids
-"""
 
 
 @dataclass(slots=True)
@@ -106,23 +71,78 @@ def _chunks(items: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
         yield items[i : i + _CHUNK]
 
 
+def _tagged(version: str, rows: sqlite3.Cursor) -> Iterator[tuple[float, str, bytes, int]]:
+    """`(last_access, version, hash, num_bytes)` rows, in the cursor's (access) order."""
+    for last_access, block_hash, num_bytes in rows:
+        yield last_access, version, block_hash, num_bytes
+
+
+def _pick_lru(
+    candidates: Iterator[tuple[float, str, bytes, int]], excess: int
+) -> list[tuple[str, bytes]]:
+    """`(version, hash)` of the oldest candidates whose bytes cover `excess`."""
+    victims: list[tuple[str, bytes]] = []
+    for _, version, block_hash, num_bytes in candidates:
+        if excess <= 0:
+            break
+        victims.append((version, block_hash))
+        excess -= num_bytes
+    return victims
+
+
+def _delete_rows(conn: sqlite3.Connection, victims: list[tuple[str, bytes]]) -> None:
+    for version in {v for v, _ in victims}:
+        table = tables_for(version).blocks
+        conn.executemany(
+            f"DELETE FROM {table} WHERE hash = ?", [(h,) for v, h in victims if v == version]
+        )
+
+
 class SSDIndex:
     """Typed queries over `<dir>/index.sqlite`. Every method is one short transaction."""
 
-    def __init__(self, path: Path, read_only: bool = False) -> None:
+    def __init__(self, path: Path, read_only: bool = False, version: str | None = None) -> None:
         self.path = path
         self.read_only = read_only
+        self.version = current_version() if version is None else version
+        self._t = tables_for(self.version)
+        self._upsert = upsert_sql(self._t)
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._all_lock = threading.Lock()
         try:
+            if not read_only and str(path) != ":memory:":
+                create_private(path)
             conn = self._conn()
             if not read_only and str(path) != ":memory:":
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.executescript("BEGIN IMMEDIATE;" + _SCHEMA + "COMMIT;")
+                self._initialise(conn)
         except BaseException:
             self.close()
             raise
+
+    def _initialise(self, conn: sqlite3.Connection) -> None:
+        """WAL mode and this version's tables, retried while another process does the same.
+
+        Switching a new (empty, rollback-mode) database to WAL takes an exclusive
+        lock, and SQLite fails it at once with "database is locked", without
+        waiting on `busy_timeout`, when other processes open the same new file at
+        that moment (1-13 in 400 opens, four processes at a time, in a test). Two
+        engines started together on a new directory hit exactly that.
+        """
+        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        pause = 0.005
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.executescript("BEGIN IMMEDIATE;" + schema(self._t) + "COMMIT;")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                    raise
+                with suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
 
     def _connect(self) -> sqlite3.Connection:
         if self.read_only:
@@ -131,7 +151,7 @@ class SSDIndex:
             uri = f"file:{self.path}?mode=ro"
             try:
                 conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=1.0)
-                conn.execute("SELECT 1 FROM blocks LIMIT 1")
+                conn.execute(f"SELECT 1 FROM {self._t.blocks} LIMIT 1")
             except sqlite3.Error:
                 uri += "&immutable=1"
                 conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=1.0)
@@ -141,8 +161,9 @@ class SSDIndex:
             # last commits, which only turns their blocks into files without rows.
             conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA trusted_schema=OFF")
         if str(self.path) == ":memory:":  # every thread's connection is a database of its own
-            conn.executescript(_SCHEMA)
+            conn.executescript(schema(self._t))
         return conn
 
     def _conn(self) -> sqlite3.Connection:
@@ -193,7 +214,8 @@ class SSDIndex:
         for part in _chunks(hashes):
             marks = ",".join("?" * len(part))
             query = (
-                f"SELECT hash, namespace, num_bytes, checksum FROM blocks WHERE hash IN ({marks})"
+                f"SELECT hash, namespace, num_bytes, checksum FROM {self._t.blocks} "
+                f"WHERE hash IN ({marks})"
             )
             for h, ns, size, checksum in conn.execute(query, part):
                 found[h] = IndexRow(ns, size, checksum)
@@ -205,16 +227,20 @@ class SSDIndex:
         for part in _chunks(hashes):
             marks = ",".join("?" * len(part))
             if namespace is None:
-                rows = conn.execute(f"SELECT hash FROM blocks WHERE hash IN ({marks})", part)
+                rows = conn.execute(
+                    f"SELECT hash FROM {self._t.blocks} WHERE hash IN ({marks})", part
+                )
             else:
-                query = f"SELECT hash FROM blocks WHERE hash IN ({marks}) AND namespace = ?"
+                query = (
+                    f"SELECT hash FROM {self._t.blocks} WHERE hash IN ({marks}) AND namespace = ?"
+                )
                 rows = conn.execute(query, [*part, namespace])
             found.update(h for (h,) in rows)
         return found
 
     def children(self, parent_key: bytes, namespace: str) -> list[BlockMeta]:
         rows = self._conn().execute(
-            "SELECT hash, token_ids FROM blocks WHERE parent_hash = ? AND namespace = ?",
+            f"SELECT hash, token_ids FROM {self._t.blocks} WHERE parent_hash = ? AND namespace = ?",
             (parent_key, namespace),
         )
         return [
@@ -224,27 +250,45 @@ class SSDIndex:
 
     def usage(self) -> dict[str, NamespaceUsage]:
         rows = self._conn().execute(
-            "SELECT namespace, num_blocks, num_bytes FROM usage WHERE num_blocks > 0"
+            f"SELECT namespace, num_blocks, num_bytes FROM {self._t.usage} WHERE num_blocks > 0"
         )
         return {ns: NamespaceUsage(n, size) for ns, n, size in rows}
+
+    def other_versions_usage(self) -> dict[str, NamespaceUsage]:
+        """Blocks and bytes of every other format version in the directory, by version:
+        invisible to this one, but counted in its capacity (`ssd_versions`)."""
+        conn = self._conn()
+        found = {}
+        for t in other_versions(conn, self.version):
+            n, size = conn.execute(
+                f"SELECT COALESCE(SUM(num_blocks), 0), COALESCE(SUM(num_bytes), 0) FROM {t.usage}"
+            ).fetchone()
+            if n:
+                found[t.version] = NamespaceUsage(int(n), int(size))
+        return found
 
     def tokens_per_namespace(self) -> dict[str, int]:
         """Cached tokens by namespace; a scan of every row (maintenance only)."""
         rows = self._conn().execute(
-            "SELECT namespace, SUM(num_tokens) FROM blocks GROUP BY namespace"
+            f"SELECT namespace, SUM(num_tokens) FROM {self._t.blocks} GROUP BY namespace"
         )
         return {ns: int(n) for ns, n in rows}
 
     def all_rows(self) -> dict[bytes, IndexRow]:
-        rows = self._conn().execute("SELECT hash, namespace, num_bytes, checksum FROM blocks")
+        rows = self._conn().execute(
+            f"SELECT hash, namespace, num_bytes, checksum FROM {self._t.blocks}"
+        )
         return {h: IndexRow(ns, size, checksum) for h, ns, size, checksum in rows}
 
     def hashes(self, namespace: str | None = None) -> list[bytes]:
         conn = self._conn()
         if namespace is None:
-            return [h for (h,) in conn.execute("SELECT hash FROM blocks")]
+            return [h for (h,) in conn.execute(f"SELECT hash FROM {self._t.blocks}")]
         return [
-            h for (h,) in conn.execute("SELECT hash FROM blocks WHERE namespace = ?", (namespace,))
+            h
+            for (h,) in conn.execute(
+                f"SELECT hash FROM {self._t.blocks} WHERE namespace = ?", (namespace,)
+            )
         ]
 
     # ---- writes ----
@@ -252,8 +296,35 @@ class SSDIndex:
     def upsert(
         self, metas: Iterable[tuple[BlockMeta, int, bytes]], touches: Iterable[bytes] = ()
     ) -> None:
-        """Insert rows for written files `(meta, file bytes, checksum)`; touch `touches`."""
-        now = time.time()
+        """Insert rows for written files `(meta, file bytes, checksum)`; touch `touches`.
+        All of them get the clock's next tick."""
+        metas = list(metas)
+        touches = list(touches)
+        if not metas and not touches:
+            return
+        with self.transaction() as conn:
+            now = self._tick(conn)
+            self._write_rows(conn, metas, touches, now)
+
+    @staticmethod
+    def _tick(conn: sqlite3.Connection) -> int:
+        """Advance the logical clock; inside the caller's write transaction."""
+        conn.execute("UPDATE clock SET tick = tick + 1 WHERE id = 0")
+        row = conn.execute("SELECT tick FROM clock WHERE id = 0").fetchone()
+        return int(row[0]) if row else 0
+
+    def clock(self) -> int:
+        """The current tick (the last access of the most recently used block)."""
+        row = self._conn().execute("SELECT tick FROM clock WHERE id = 0").fetchone()
+        return int(row[0]) if row else 0
+
+    def _write_rows(
+        self,
+        conn: sqlite3.Connection,
+        metas: list[tuple[BlockMeta, int, bytes]],
+        touches: list[bytes],
+        now: int,
+    ) -> None:
         rows = [
             (
                 m.block_hash,
@@ -268,33 +339,30 @@ class SSDIndex:
             for m, size, checksum in metas
         ]
         touched = [(now, h) for h in touches]
-        if not rows and not touched:
-            return
-        with self.transaction() as conn:
-            conn.executemany(_UPSERT, rows)
-            conn.executemany("UPDATE blocks SET last_access = ? WHERE hash = ?", touched)
+        conn.executemany(self._upsert, rows)
+        conn.executemany(f"UPDATE {self._t.blocks} SET last_access = ? WHERE hash = ?", touched)
 
-    def insert_row(self, meta: BlockMeta, size: int, checksum: bytes, last_access: float) -> None:
-        """A row for a file found on disk, with its file's time as its access time."""
+    def insert_row(self, meta: BlockMeta, size: int, checksum: bytes, last_access: int = 0) -> None:
+        """A row for a file found on disk; access tick 0 by default, so it ages out first."""
         tokens = np.ascontiguousarray(meta.token_ids, dtype="<i4").tobytes()
         row = (meta.block_hash, meta.parent_key, meta.namespace, meta.num_tokens)
         with self.transaction() as conn:
-            conn.execute(_UPSERT, (*row, size, checksum, last_access, tokens))
+            conn.execute(self._upsert, (*row, size, checksum, last_access, tokens))
 
     def delete(self, hashes: Sequence[bytes]) -> None:
         with self.transaction() as conn:
-            conn.executemany("DELETE FROM blocks WHERE hash = ?", [(h,) for h in hashes])
+            conn.executemany(f"DELETE FROM {self._t.blocks} WHERE hash = ?", [(h,) for h in hashes])
 
     def delete_namespace(self, namespace: str | None) -> list[bytes]:
         """Delete every row (of one namespace); returns the hashes deleted."""
         with self.transaction() as conn:
             if namespace is None:
-                gone = [h for (h,) in conn.execute("SELECT hash FROM blocks")]
-                conn.execute("DELETE FROM blocks")
+                gone = [h for (h,) in conn.execute(f"SELECT hash FROM {self._t.blocks}")]
+                conn.execute(f"DELETE FROM {self._t.blocks}")
             else:
-                query = "SELECT hash FROM blocks WHERE namespace = ?"
+                query = f"SELECT hash FROM {self._t.blocks} WHERE namespace = ?"
                 gone = [h for (h,) in conn.execute(query, (namespace,))]
-                conn.execute("DELETE FROM blocks WHERE namespace = ?", (namespace,))
+                conn.execute(f"DELETE FROM {self._t.blocks} WHERE namespace = ?", (namespace,))
         return gone
 
     def evict(
@@ -304,51 +372,62 @@ class SSDIndex:
         namespace: str | None = None,
         quota_bytes: int | None = None,
         incoming_ns_bytes: int = 0,
-    ) -> list[bytes]:
+    ) -> list[tuple[str, bytes]]:
         """Delete least recently used rows until `incoming_bytes` more fit.
 
         First within `namespace` down to `quota_bytes - incoming_ns_bytes`, then
-        across the whole directory down to `capacity_bytes - incoming_bytes`.
-        Returns the evicted hashes; the caller unlinks their files after this
-        commit (row first, then file, so a reader never trusts a half-deleted block).
+        across the whole directory, other format versions' rows included (they
+        share its capacity, see `ssd_versions`), down to `capacity_bytes -
+        incoming_bytes`. Returns `(format version, hash)` of each evicted row; the
+        caller unlinks their files before this commit (row and file go together,
+        under the write lock, so no reader trusts a half-deleted block).
         """
-        evicted: list[bytes] = []
+        evicted: list[tuple[str, bytes]] = []
+        mine = self._t
         with self.transaction() as conn:
             if namespace is not None and quota_bytes is not None:
                 row = conn.execute(
-                    "SELECT num_bytes FROM usage WHERE namespace = ?", (namespace,)
+                    f"SELECT num_bytes FROM {mine.usage} WHERE namespace = ?", (namespace,)
                 ).fetchone()
                 excess = (row[0] if row else 0) + incoming_ns_bytes - quota_bytes
                 query = (
-                    "SELECT hash, num_bytes FROM blocks WHERE namespace = ? ORDER BY last_access"
+                    f"SELECT last_access, hash, num_bytes FROM {mine.blocks} "
+                    "WHERE namespace = ? ORDER BY last_access"
                 )
-                evicted += self._evict_from(conn, conn.execute(query, (namespace,)), excess)
-            (total,) = conn.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM usage").fetchone()
+                cursor = conn.execute(query, (namespace,))
+                victims = _pick_lru(_tagged(mine.version, cursor), excess)
+                cursor.close()  # before the deletes below change the rows it walks
+                _delete_rows(conn, victims)
+                evicted += victims
+            versions = [mine, *other_versions(conn, self.version)]
+            total = sum(
+                conn.execute(f"SELECT COALESCE(SUM(num_bytes), 0) FROM {t.usage}").fetchone()[0]
+                for t in versions
+            )
             excess = total + incoming_bytes - capacity_bytes
-            query = "SELECT hash, num_bytes FROM blocks ORDER BY last_access"
-            evicted += self._evict_from(conn, conn.execute(query), excess)
+            if excess > 0:
+                # One indexed scan per version, merged: a UNION ALL ... ORDER BY would
+                # sort every row of the directory on each eviction.
+                cursors = [
+                    conn.execute(
+                        f"SELECT last_access, hash, num_bytes FROM {t.blocks} ORDER BY last_access"
+                    )
+                    for t in versions
+                ]
+                tagged = [_tagged(t.version, c) for t, c in zip(versions, cursors, strict=True)]
+                merged = heapq.merge(*tagged)
+                victims = _pick_lru(merged, excess)
+                for cursor in cursors:
+                    cursor.close()
+                _delete_rows(conn, victims)
+                evicted += victims
         return evicted
-
-    @staticmethod
-    def _evict_from(
-        conn: sqlite3.Connection, candidates: sqlite3.Cursor, excess: int
-    ) -> list[bytes]:
-        victims: list[bytes] = []
-        while excess > 0:
-            row = candidates.fetchone()
-            if row is None:
-                break
-            victims.append(row[0])
-            excess -= row[1]
-        candidates.close()
-        conn.executemany("DELETE FROM blocks WHERE hash = ?", [(h,) for h in victims])
-        return victims
 
     def rebuild_usage(self) -> None:
         """Recompute `usage` from `blocks` (after a crash or hand edits; triggers keep it exact)."""
         with self.transaction() as conn:
-            conn.execute("DELETE FROM usage")
+            conn.execute(f"DELETE FROM {self._t.usage}")
             conn.execute(
-                "INSERT INTO usage SELECT namespace, COUNT(*), SUM(num_bytes) "
-                "FROM blocks GROUP BY namespace"
+                f"INSERT INTO {self._t.usage} SELECT namespace, COUNT(*), SUM(num_bytes) "
+                f"FROM {self._t.blocks} GROUP BY namespace"
             )

@@ -5,34 +5,40 @@ Usable without a model or a running store (`pagedkv cache stats|check|clear`):
 
 Choices:
 - A block file without an index row (a crash between rename and insert, or
-  an index lost) is re-indexed when it verifies (checksum, hash in its name),
-  with the file's mtime as its access time, so it ages out first; otherwise it
-  is deleted. Re-indexing keeps KV that cost a prefill; it also makes racing
-  with another process's in-flight write harmless (it inserts the same row).
-- A temporary file is stale when the pid in its name is not alive (or it is
-  an hour old); live processes' temporaries are left alone.
+  an index lost) is re-indexed when it verifies (checksum, hash in its name,
+  and, when the store has a cache secret, its MAC), with access tick 0, so it
+  ages out first; otherwise it is deleted. Re-indexing keeps KV that cost a
+  prefill; it also makes racing with another process's in-flight write
+  harmless (it inserts the same row). Without a secret, any self-consistent
+  file dropped into `blocks/` is indexed: that is why the directory must be
+  private (`ssd_ownership`).
+- A temporary file is stale when no live writer holds the lock named in it
+  (`ssd_ownership.is_stale_temp`); lock files nobody holds are removed too.
+- Only this format version's rows and tree are reconciled: another
+  version's files (`ssd_versions`) are neither re-indexed nor deleted here,
+  and a file of another version found in this version's tree is corrupt.
 - Rows are read before the tree is listed, so a file written meanwhile by
   another process looks unknown (and is re-indexed), never missing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sqlite3
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from pagedkv.errors import CacheCorruptionError
-from pagedkv.storage.ssd.format import SUFFIX, block_path, decode_file
+from pagedkv.storage.secret import CacheSecret
+from pagedkv.storage.ssd.format import SUFFIX, decode_file
 from pagedkv.storage.ssd.index import NamespaceUsage, SSDIndex
-from pagedkv.storage.ssd.io import TEMP_MARK, read_file, temp_owner_pid
+from pagedkv.storage.ssd.io import read_file
+from pagedkv.storage.ssd.ownership import TEMP_MARK, is_stale_temp, stale_locks
 from pagedkv.storage.ssd.seed import SEED_NAME
+from pagedkv.storage.ssd.versions import block_path, is_version_dir, version_tree
 
 INDEX_NAME = "index.sqlite"
-STALE_TEMP_S = 3600.0
 
 
 @dataclass
@@ -67,7 +73,9 @@ class CheckReport:
 class DirectoryStats:
     """Blocks and bytes in a cache directory, in total and per namespace.
     `bytes_per_token`: file bytes (KV, token ids, header) per cached token, by namespace:
-    what a token of each model and KV dtype costs on this disk."""
+    what a token of each model and KV dtype costs on this disk. Counts are this block
+    format version's; `other_versions` has other versions' blocks and bytes, by version
+    (invisible to this one, but within the same capacity; see `ssd_versions`)."""
 
     directory: str
     num_blocks: int
@@ -76,6 +84,7 @@ class DirectoryStats:
     has_seed: bool
     num_tokens: int = 0
     bytes_per_token: dict[str, float] = field(default_factory=dict)
+    other_versions: dict[str, NamespaceUsage] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -83,27 +92,6 @@ class TreeScan:
     files: dict[bytes, Path] = field(default_factory=dict)
     junk: list[Path] = field(default_factory=list)
     stale_temps: list[Path] = field(default_factory=list)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OverflowError:
-        return False
-    return True
-
-
-def _is_stale_temp(entry: os.DirEntry[str], now: float) -> bool:
-    pid = temp_owner_pid(entry.name)
-    if pid is None or not _pid_alive(pid):
-        return True
-    with contextlib.suppress(OSError):
-        return now - entry.stat().st_mtime > STALE_TEMP_S
-    return False
 
 
 def _hash_of(name: str, hh1: str, hh2: str) -> bytes | None:
@@ -119,13 +107,15 @@ def _hash_of(name: str, hh1: str, hh2: str) -> bytes | None:
 
 
 def scan_tree(root: Path) -> TreeScan:
-    """Every file under `<root>/blocks/<hh>/<hh>/`, sorted into blocks, junk and stale temps."""
+    """Every file in this format version's tree (`<tree>/<hh>/<hh>/`), sorted into
+    blocks, junk and stale temps. Other versions' trees are not looked into."""
     scan = TreeScan()
-    now = time.time()
-    top = root / "blocks"
+    top = version_tree(root)
     if not top.is_dir():
         return scan
     for level1 in os.scandir(top):
+        if top == root / "blocks" and is_version_dir(level1.name):
+            continue  # a later version's tree inside the first version's
         if not level1.is_dir(follow_symlinks=False):
             scan.junk.append(Path(level1.path))
             continue
@@ -137,7 +127,7 @@ def scan_tree(root: Path) -> TreeScan:
                 if entry.is_dir(follow_symlinks=False):
                     continue
                 if TEMP_MARK in entry.name:
-                    if _is_stale_temp(entry, now):
+                    if is_stale_temp(root, Path(entry.path)):
                         scan.stale_temps.append(Path(entry.path))
                     continue
                 block_hash = _hash_of(entry.name, level1.name, level2.name)
@@ -157,17 +147,25 @@ def unlink_quiet(path: Path) -> bool:
     return True
 
 
-def verify_file(path: Path, block_hash: bytes, expected: tuple[int, bytes] | None = None) -> bool:
-    """True when the file parses, its checksum holds, and it matches `(size, checksum)`."""
+def verify_file(
+    path: Path,
+    block_hash: bytes,
+    expected: tuple[int, bytes] | None = None,
+    secret: CacheSecret | None = None,
+) -> bool:
+    """True when the file parses, its checksum (and MAC, with `secret`) holds, and it
+    matches `(size, checksum)`."""
     try:
         data = read_file(path, expected[0] if expected else None)
-        _, checksum = decode_file(data, block_hash)
+        _, checksum = decode_file(data, block_hash, secret=secret)
     except (OSError, CacheCorruptionError):
         return False
     return expected is None or checksum == expected[1]
 
 
-def reconcile(root: Path, index: SSDIndex, *, fix: bool, verify: bool) -> CheckReport:
+def reconcile(
+    root: Path, index: SSDIndex, *, fix: bool, verify: bool, secret: CacheSecret | None = None
+) -> CheckReport:
     """Compare index rows and files; with `fix`, make them agree.
 
     `verify` also reads every indexed file and checks it (what `cache check`
@@ -185,7 +183,7 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool, verify: bool) -> CheckR
     if verify:
         for h, row in rows.items():
             path = scan.files.get(h)
-            if path is not None and not verify_file(path, h, (row.num_bytes, row.checksum)):
+            if path is not None and not verify_file(path, h, (row.num_bytes, row.checksum), secret):
                 maybe_corrupt.append(h)
     with index.transaction():
         now = index.lookup([*maybe_missing, *maybe_unknown, *maybe_corrupt])
@@ -195,7 +193,7 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool, verify: bool) -> CheckR
             h
             for h in maybe_corrupt
             if h in now
-            and not verify_file(block_path(root, h), h, (now[h].num_bytes, now[h].checksum))
+            and not verify_file(block_path(root, h), h, (now[h].num_bytes, now[h].checksum), secret)
         ]
         report.temp_files = [str(p) for p in scan.stale_temps]
         report.rows_without_file = [h.hex() for h in missing]
@@ -205,7 +203,9 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool, verify: bool) -> CheckR
             index.delete(missing + corrupt)
             for path in [*map(partial(block_path, root), corrupt), *scan.junk, *scan.stale_temps]:
                 unlink_quiet(path)
-            report.reindexed = sum(_reindex(index, p, h) for h, p in unknown.items())
+            report.reindexed = sum(_reindex(index, p, h, secret) for h, p in unknown.items())
+            for lock in stale_locks(root):
+                unlink_quiet(lock)
             index.rebuild_usage()
             report.fixed = True
     usage = index.usage()
@@ -214,15 +214,16 @@ def reconcile(root: Path, index: SSDIndex, *, fix: bool, verify: bool) -> CheckR
     return report
 
 
-def _reindex(index: SSDIndex, path: Path, block_hash: bytes) -> int:
-    """Index a file that verifies, with its mtime as access time; delete one that does not."""
+def _reindex(index: SSDIndex, path: Path, block_hash: bytes, secret: CacheSecret | None) -> int:
+    """Index a file that verifies (MAC too, with a secret), as least recently used;
+    delete one that does not."""
     try:
         stat = path.stat()
-        block, checksum = decode_file(read_file(path), block_hash)
+        block, checksum = decode_file(read_file(path), block_hash, secret=secret)
     except (OSError, CacheCorruptionError):
         unlink_quiet(path)
         return 0
-    index.insert_row(block.meta, stat.st_size, checksum, stat.st_mtime)
+    index.insert_row(block.meta, stat.st_size, checksum)
     return 1
 
 
@@ -266,6 +267,7 @@ def _stats(root: Path, index: SSDIndex) -> DirectoryStats:
         bytes_used=sum(u.num_bytes for u in usage.values()),
         namespaces=usage,
         has_seed=(root / SEED_NAME).is_file(),
+        other_versions=index.other_versions_usage(),
         num_tokens=sum(tokens.values()),
         bytes_per_token={
             ns: round(u.num_bytes / tokens[ns], 1) for ns, u in usage.items() if tokens.get(ns)

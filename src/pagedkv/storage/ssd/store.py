@@ -1,4 +1,4 @@
-"""The persistent SSD tier: one safetensors file per block, an SQLite index, LRU by access time.
+"""The persistent SSD tier: one safetensors file per block, an SQLite index, LRU by a logical clock.
 
 Invariants and ordering rules (python-diskcache's `Cache.set` is the model):
 - A block becomes visible only once whole: its file is written under a
@@ -9,7 +9,9 @@ Invariants and ordering rules (python-diskcache's `Cache.set` is the model):
   which start-up repairs).
 - Reads trust nothing: a file is parsed, its size, hash, namespace and token
   count checked against its header and the index, and its checksum
-  recomputed. A failure is re-checked under the write lock (another process
+  recomputed; with a cache secret, its MAC too (a failure is counted in
+  `corrupt` and `extra["mac_failures"]`, and handled as corrupt). A failure
+  is re-checked under the write lock (another process
   may have evicted the block meanwhile: a plain miss); if it persists, it is
   a miss, the row and file are removed and it is counted (`corrupt`; a
   missing file also as `extra["missing"]`). A read error that may pass (EIO)
@@ -19,14 +21,21 @@ Invariants and ordering rules (python-diskcache's `Cache.set` is the model):
   tensors over and must not write into them afterwards (nothing is copied).
 - Capacity covers every namespace in the directory (several models, several
   processes); the namespace quota only this store's. Eviction is least
-  recently used by the index's `last_access`, so the order survives restarts.
-- A full disk or a read-only directory turns writes off with one warning;
-  reads go on. No fsync by default: the rename gives atomicity against a
+  recently used by the index's logical clock, so the order survives restarts
+  and clock steps.
+- The directory is private (`ssd_ownership`): created 0700, files 0600, and
+  an existing one that others may write is refused at construction.
+- A full disk or a read-only directory pauses writes with one warning and
+  re-probes with backoff (see `ssd_writer`); reads go on. No fsync by
+  default: the rename gives atomicity against a
   crash, and after a power loss the checksum turns a torn file into a miss;
   `fsync=True` buys durability for one sync per block.
 - Start-up deletes stale temporaries, re-indexes block files without rows
-  that verify (deletes the others), drops rows without files (see
-  `ssd_maintenance`), then enforces capacity.
+  that verify, MAC included when a secret is set (deletes the others), drops
+  rows without files (see `ssd_maintenance`), then enforces capacity.
+- Each block-file format version has files and rows of its own
+  (`ssd_versions`): during a rolling upgrade two versions neither see nor
+  delete each other's blocks, but share the capacity and one LRU order.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from pathlib import Path
 from pagedkv.errors import CacheCorruptionError
 from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
 from pagedkv.storage.secret import CacheSecret
-from pagedkv.storage.ssd.format import block_path, decode_file
+from pagedkv.storage.ssd.format import BlockAuthenticationError, decode_file
 from pagedkv.storage.ssd.index import IndexRow, NamespaceUsage, SSDIndex
 from pagedkv.storage.ssd.io import read_file
 from pagedkv.storage.ssd.maintenance import (
@@ -55,7 +64,9 @@ from pagedkv.storage.ssd.maintenance import (
     reconcile,
     unlink_quiet,
 )
+from pagedkv.storage.ssd.ownership import check_directory, make_private_dir
 from pagedkv.storage.ssd.seed import read_or_create_seed, read_seed
+from pagedkv.storage.ssd.versions import block_path, version_tree
 from pagedkv.storage.ssd.writer import BlockWriter, Counters
 
 __all__ = [
@@ -94,7 +105,7 @@ class SSDStore(KVTier):
         if capacity_bytes < 0 or (namespace_quota_bytes is not None and namespace_quota_bytes < 0):
             raise ValueError("SSD capacity and quota must be >= 0 bytes")
         self.directory = Path(directory).expanduser()
-        self.secret = secret  # when set, every block file carries a MAC (not yet checked)
+        self.secret = secret  # when set, every block file carries a MAC, checked on read
         self.capacity_bytes = int(capacity_bytes)
         self.namespace = namespace
         self.namespace_quota_bytes = namespace_quota_bytes
@@ -107,15 +118,16 @@ class SSDStore(KVTier):
         self._seed_warned = False
         self._closed = False
         open_error: BaseException | None = None
+        check_directory(self.directory)  # raises UnsafeCacheDirectoryError: no fallback
         try:
-            (self.directory / "blocks").mkdir(parents=True, exist_ok=True)
+            make_private_dir(version_tree(self.directory))
             self._index = SSDIndex(self.directory / INDEX_NAME)
         except (OSError, sqlite3.Error) as exc:
             open_error = exc
             self._index = self._open_read_only()
         self._start_threads()
         if open_error is not None:
-            self._writer.disable(open_error)
+            self._writer.disable(open_error, permanent=True)
         else:
             self._startup()
 
@@ -140,12 +152,15 @@ class SSDStore(KVTier):
             budget_bytes=self.write_buffer_bytes,
             put_wait_s=self.put_wait_s,
             fsync=self.fsync,
+            secret=self.secret,
         )
         self._writer.start()
 
     def _startup(self) -> None:
         try:
-            report = reconcile(self.directory, self._index, fix=True, verify=False)
+            report = reconcile(
+                self.directory, self._index, fix=True, verify=False, secret=self.secret
+            )
             self._writer.evict(0)
         except (OSError, sqlite3.Error) as exc:
             self._writer.disable(exc)
@@ -223,15 +238,16 @@ class SSDStore(KVTier):
         if suspects:
             results = self._confirm(jobs, results, suspects)
         hits: list[bytes] = []
-        bytes_read = corrupt = missing = errors = 0
+        bytes_read = corrupt = missing = errors = forged = 0
         for (i, h, row), (block, status) in zip(jobs, results, strict=True):
             if block is not None:
                 out[i] = block
                 hits.append(h)
                 bytes_read += row.num_bytes
             errors += status == "error"
-            corrupt += status in ("missing", "corrupt")
+            corrupt += status in ("missing", "corrupt", "forged")
             missing += status == "missing"
+            forged += status == "forged"
         if hits:
             self._writer.touch(hits)
         with self._counters.lock:
@@ -242,6 +258,7 @@ class SSDStore(KVTier):
             s.corrupt += corrupt
             s.errors += errors
             self._counters.extra["missing"] += missing
+            self._counters.extra["mac_failures"] += forged
         return out
 
     def _confirm(
@@ -268,7 +285,7 @@ class SSDStore(KVTier):
                         confirmed[h] = (None, "gone")
                         continue
                     confirmed[h] = self._read_one((i, h, row))
-                    if confirmed[h][1] in ("missing", "corrupt"):
+                    if confirmed[h][1] in ("missing", "corrupt", "forged"):
                         bad.append(h)
                 self._index.delete(bad)
                 for h in bad:
@@ -281,9 +298,11 @@ class SSDStore(KVTier):
         _, block_hash, row = job
         try:
             data = read_file(block_path(self.directory, block_hash), row.num_bytes)
-            block, checksum = decode_file(data, block_hash, self.namespace)
+            block, checksum = decode_file(data, block_hash, self.namespace, self.secret)
         except FileNotFoundError:
             return None, "missing"
+        except BlockAuthenticationError:
+            return None, "forged"
         except CacheCorruptionError:
             return None, "corrupt"
         except OSError:
@@ -337,21 +356,24 @@ class SSDStore(KVTier):
         return found
 
     def stats(self) -> TierStats:
-        """This store's counters. `num_blocks` and `bytes_used` cover the whole directory
-        (what `capacity_bytes` bounds); `extra` has this namespace's share."""
+        """This store's counters. `num_blocks` and `bytes_used` cover the whole directory,
+        other format versions' blocks included (what `capacity_bytes` bounds); `extra`
+        has this namespace's share and other versions' blocks (`other_version_blocks`)."""
         try:
             usage = self._index.usage()
+            others = self._index.other_versions_usage()
         except sqlite3.Error:
-            usage = {}
+            usage, others = {}, {}
         mine = usage.get(self.namespace, NamespaceUsage(0, 0))
+        directory = [*usage.values(), *others.values()]
         queued_blocks, queued_bytes = self._writer.queue_size()
         with self._counters.lock:
             s = self._counters.stats
             result = TierStats(
                 self.name, s.hits, s.misses, s.bytes_read, s.bytes_written, s.blocks_written,
                 s.writes_dropped, s.corrupt, s.errors,
-                num_blocks=sum(u.num_blocks for u in usage.values()),
-                bytes_used=sum(u.num_bytes for u in usage.values()),
+                num_blocks=sum(u.num_blocks for u in directory),
+                bytes_used=sum(u.num_bytes for u in directory),
                 capacity_bytes=self.capacity_bytes,
                 location=str(self.directory),
             )  # fmt: skip
@@ -360,6 +382,7 @@ class SSDStore(KVTier):
             namespace_blocks=mine.num_blocks,
             namespace_bytes=mine.num_bytes,
             namespaces=len(usage),
+            other_version_blocks=sum(u.num_blocks for u in others.values()),
             queued_blocks=queued_blocks,
             queued_bytes=queued_bytes,
             writes_disabled=self.writes_disabled,
@@ -381,7 +404,7 @@ class SSDStore(KVTier):
         """Verify every file against the index; with `fix`, reconcile and enforce capacity."""
         self.flush()
         fix = fix and not self.writes_disabled
-        report = reconcile(self.directory, self._index, fix=fix, verify=True)
+        report = reconcile(self.directory, self._index, fix=fix, verify=True, secret=self.secret)
         if report.fixed:
             self._writer.evict(0)
         return report

@@ -14,7 +14,15 @@ Invariants:
   unlinks happen only inside write transactions (see `ssd_index`).
 - Access times (`touch`) are applied by this thread, in the batch's
   transaction, so readers never wait for SQLite's write lock.
-- A space or permission error turns writes off for good, with one warning.
+- A space or permission error pauses writes, with one warning: queued blocks
+  are dropped, and `put` drops (and counts) blocks until the pause ends. Then
+  the next batch is the probe: if it lands, writes resume (logged); if it
+  fails again, the pause doubles, from `RETRY_FIRST_S` up to `RETRY_MAX_S`. The
+  rejected alternative, off until restart, kept a moment of ENOSPC costing the
+  SSD tier for the rest of the process. Only a directory that could not be
+  opened at all stays off (`disable(..., permanent=True)`).
+- Temporaries are named for this writer and covered by its `WriterLock`
+  (see `ssd_ownership`), so no other process takes them for stale.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ from pathlib import Path
 from typing import NoReturn
 
 from pagedkv.storage.base import BlockMeta, KVBlock, TierStats, block_checksum
-from pagedkv.storage.ssd.format import block_path, encode_file, file_size
+from pagedkv.storage.secret import CacheSecret
+from pagedkv.storage.ssd.format import encode_file, file_size
 from pagedkv.storage.ssd.index import SSDIndex
-from pagedkv.storage.ssd.io import write_temp
 from pagedkv.storage.ssd.maintenance import unlink_quiet
+from pagedkv.storage.ssd.ownership import WriterLock, make_private_dir, write_temp
+from pagedkv.storage.ssd.versions import block_path
 
 log = logging.getLogger("pagedkv.storage.ssd")
 
@@ -41,6 +51,8 @@ MiB = 1024**2
 _BATCH_BLOCKS = 64
 _BATCH_BYTES = 64 * MiB
 _DISABLING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
 
 
 class Counters:
@@ -49,7 +61,14 @@ class Counters:
     def __init__(self, name: str, capacity_bytes: int) -> None:
         self.lock = threading.Lock()
         self.stats = TierStats(name, capacity_bytes=capacity_bytes)
-        self.extra = {"missing": 0, "evictions": 0, "reindexed": 0, "temp_files_removed": 0}
+        self.extra = {
+            "missing": 0,
+            "evictions": 0,
+            "reindexed": 0,
+            "temp_files_removed": 0,
+            "mac_failures": 0,
+            "writes_resumed": 0,
+        }
 
     def add(self, name: str, n: int = 1) -> None:
         if not n:
@@ -88,6 +107,7 @@ class BlockWriter:
         budget_bytes: int,
         put_wait_s: float,
         fsync: bool,
+        secret: CacheSecret | None = None,
     ) -> None:
         self.directory = directory
         self.index = index
@@ -98,7 +118,11 @@ class BlockWriter:
         self.budget_bytes = budget_bytes
         self.put_wait_s = put_wait_s
         self.fsync = fsync
+        self.secret = secret
         self.writes_off: str | None = None
+        self._retry_at: float | None = None  # monotonic; None: off for good (or on)
+        self._retry_s = RETRY_FIRST_S
+        self._lock: WriterLock | None = None
         self._cond = threading.Condition()
         self._pending: dict[bytes, KVBlock] = {}  # queued, oldest first
         self._inflight: dict[bytes, KVBlock] = {}  # taken by the thread, not yet indexed
@@ -108,7 +132,14 @@ class BlockWriter:
         self._thread = threading.Thread(target=self._run, name="pagedkv-ssd-writer", daemon=True)
 
     def start(self) -> None:
+        self._lock = WriterLock(self.directory)
         self._thread.start()
+
+    def _paused(self) -> bool:
+        """Writes are off and not due for a probe; the caller holds `_cond`."""
+        if self.writes_off is None:
+            return False
+        return self._retry_at is None or time.monotonic() < self._retry_at
 
     # ---- called by request threads ----
 
@@ -120,14 +151,14 @@ class BlockWriter:
                 h, size = block.meta.block_hash, block.num_bytes
                 if h in self._pending or h in self._inflight:
                     continue
-                while self._over_budget(size) and not self._stop and not self.writes_off:
+                while self._over_budget(size) and not self._stop and not self._paused():
                     if deadline is None:
                         deadline = time.monotonic() + self.put_wait_s
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         break
                     self._cond.wait(remaining)
-                if self._over_budget(size) or self._stop or self.writes_off:
+                if self._over_budget(size) or self._stop or self._paused():
                     dropped += 1
                     continue
                 self._pending[h] = block
@@ -174,7 +205,7 @@ class BlockWriter:
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._inflight or (self._touches and not self.writes_off):
+            while self._pending or self._inflight or (self._touches and not self._paused()):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._thread.is_alive():
                     return False
@@ -191,6 +222,8 @@ class BlockWriter:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(max(0.1, timeout - (time.monotonic() - start)))
+        if self._lock is not None and not self._thread.is_alive():
+            self._lock.release()
 
     def _drop_pending(self) -> None:
         """Drop every queued block; the caller holds `_cond`."""
@@ -218,10 +251,14 @@ class BlockWriter:
                     size += block.num_bytes
                 touches, self._touches = self._touches, set()
             try:
-                if self.writes_off:
+                with self._cond:
+                    paused = self._paused()
+                if paused:
                     self.counters.add("writes_dropped", len(batch))
                 else:
                     self._write_batch(batch, touches)
+                    if batch:  # blocks reached the disk: the probe passed
+                        self._resume()
             except _BatchFailed:
                 pass
             except Exception:
@@ -246,7 +283,7 @@ class BlockWriter:
             if block.meta.block_hash in existing:
                 continue
             checksum = block_checksum(block)
-            prefix, buffers = encode_file(block, checksum)
+            prefix, buffers = encode_file(block, checksum, self.secret)
             size = file_size(prefix, buffers)
             if size > self.capacity_bytes or size > (self.quota_bytes or size):
                 self.counters.add("writes_dropped")
@@ -257,11 +294,13 @@ class BlockWriter:
             self.evict(sum(item[4] for item in todo))
             for meta, checksum, prefix, buffers, size in todo:
                 path = block_path(self.directory, meta.block_hash)
+                lock = self._lock
+                assert lock is not None, "start() takes the writer lock before any write"
                 try:
-                    tmp = write_temp(path, prefix, buffers, self.fsync)
+                    tmp = write_temp(lock, path, prefix, buffers, self.fsync)
                 except FileNotFoundError:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = write_temp(path, prefix, buffers, self.fsync)
+                    make_private_dir(path.parent)
+                    tmp = write_temp(lock, path, prefix, buffers, self.fsync)
                 temps.append((tmp, meta, size, checksum))
             written = self._commit(temps, touches)
         except (OSError, sqlite3.Error) as exc:
@@ -307,8 +346,8 @@ class BlockWriter:
                 self.quota_bytes,
                 incoming_bytes,
             )
-            for h in victims:
-                unlink_quiet(block_path(self.directory, h))
+            for version, h in victims:  # other format versions' blocks too
+                unlink_quiet(block_path(self.directory, h, version))
         self.counters.add("evictions", len(victims))
 
     def _fail(self, exc: Exception, num_blocks: int) -> NoReturn:
@@ -320,18 +359,36 @@ class BlockWriter:
             self.counters.add("errors")
         raise _BatchFailed from exc
 
-    def disable(self, exc: BaseException) -> None:
-        """Turn writes off for good, with one warning; reads go on."""
+    def disable(self, exc: BaseException, permanent: bool = False) -> None:
+        """Pause writes (see the module docstring): one warning per outage; reads go on."""
+        now = time.monotonic()
         with self._cond:
-            if self.writes_off is not None:
-                return
+            first = self.writes_off is None
+            if not first:
+                self._retry_s = min(RETRY_MAX_S, self._retry_s * 2)
             self.writes_off = str(exc)
+            self._retry_at = None if permanent else now + self._retry_s
             self._drop_pending()
             self._cond.notify_all()
+        if not first:
+            return
         self.counters.add("errors")
         log.warning(
-            "SSD cache %s: writes disabled (%s); stored blocks are still served. "
-            "Free disk space or fix permissions, then restart to write again.",
+            "SSD cache %s: writes disabled (%s); stored blocks are still served. %s",
             self.directory,
             exc,
+            "Fix the directory and restart to write again."
+            if permanent
+            else f"Retrying by itself, first in {self._retry_s:g} s, backing off to "
+            f"{RETRY_MAX_S:g} s: free disk space or fix permissions.",
         )
+
+    def _resume(self) -> None:
+        """A batch landed while writes were paused: they are on again."""
+        with self._cond:
+            if self.writes_off is None:
+                return
+            was, self.writes_off, self._retry_at = self.writes_off, None, None
+            self._retry_s = RETRY_FIRST_S
+        self.counters.add("writes_resumed")
+        log.warning("SSD cache %s: writes resumed (they stopped on: %s)", self.directory, was)
