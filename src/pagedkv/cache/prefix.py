@@ -238,6 +238,22 @@ class RequestCache:
         found: list[Found] = []
         prefault: list[threading.Thread] = []
         snapshots = cache.snapshots
+        # Where every layer keeps the whole prefix in one entry, a lower-tier block
+        # goes into `out` as soon as its read completes, while the others are read.
+        early = cache.split is None and snapshots is None and not cache.ram.layout.windows
+        placed: set[int] = set()
+        first = len(full) * bs
+
+        def place(i: int, f: Found) -> None:
+            lo = first + i * bs
+            if lo + bs <= out.shape[3] and f.block.kv.dtype == out.dtype:
+                out[:, :, :, lo : lo + bs].copy_(f.block.kv)
+                placed.add(i)
+
+        def before_read(run: int) -> None:
+            skip = (first, first + run * bs) if early else (0, 0)
+            prefault.append(_prefault(out, skip))
+
         try:
             lower = cache.lower
             if lower and len(full) < len(chain.hashes):
@@ -247,7 +263,8 @@ class RequestCache:
                     chain.tokens,
                     len(full),
                     bs,
-                    lambda: prefault.append(_prefault(out)),
+                    before_read,
+                    place if early else None,
                 )
             ram_tokens = match.num_tokens
             if found and partial is not None:  # whole blocks beat a partial match
@@ -282,7 +299,8 @@ class RequestCache:
             ram_tokens = min(ram_tokens, n)
             ids = [b.block_id for b in full] + ([partial.block_id] if partial else [])
             pieces = [f.block.kv for f in found] + ([self._tail.block.kv] if self._tail else [])
-            copy_prefix(cache.ram, ids, ram_tokens, pieces, parts, len(full), out, n)
+            done = next((i for i in range(len(found)) if i not in placed), len(found))
+            copy_prefix(cache.ram, ids, ram_tokens, pieces, parts, len(full), out, n, done)
         except BaseException:
             for thread in prefault:
                 thread.join()
@@ -407,13 +425,29 @@ class RequestCache:
             self.table = []
 
 
-def _prefault(t: torch.Tensor) -> threading.Thread:
-    """Touch every page of `t`'s memory on another thread. memset through ctypes,
-    not a torch op: ctypes drops the GIL, and a torch op on a second thread would
-    leave an OpenMP team behind that slows the worker's forwards."""
-    storage = t.untyped_storage()
-    thread = threading.Thread(
-        target=ctypes.memset, args=(storage.data_ptr(), 0, storage.nbytes()), daemon=True
-    )
+def _prefault(t: torch.Tensor, skip: tuple[int, int]) -> threading.Thread:
+    """Touch every page of `t`'s memory `[L, 2, H, T, D]` on another thread, but for
+    tokens `[skip[0], skip[1])`, which the restore writes meanwhile. memset through
+    ctypes, not a torch op: ctypes drops the GIL, and a torch op on a second thread
+    would leave an OpenMP team behind that slows the worker's forwards."""
+    spans: list[tuple[int, int]] = []
+    if t.device.type == "cpu" and t.is_contiguous() and t.dim() == 5:
+        lo, hi = skip
+        row = t.stride(2) * t.element_size()  # one (layer, K/V, head) row of T tokens
+        tok = t.stride(3) * t.element_size()
+        base = t.data_ptr()
+        if hi <= lo:
+            spans = [(base, t.numel() * t.element_size())]
+        else:
+            for r in range(t.shape[0] * t.shape[1] * t.shape[2]):
+                start = base + r * row
+                spans += [(start, lo * tok), (start + hi * tok, row - hi * tok)]
+
+    def touch() -> None:
+        for ptr, nbytes in spans:
+            if nbytes > 0:
+                ctypes.memset(ptr, 0, nbytes)
+
+    thread = threading.Thread(target=touch, daemon=True)
     thread.start()
     return thread
