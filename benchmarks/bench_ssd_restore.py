@@ -9,7 +9,11 @@ KV [30, 2, 3, 64, 64] = 2.9 MiB per block), then alternates two cold reads:
 
 Before each read the page cache is dropped for every file involved
 (`posix_fadvise(POSIX_FADV_DONTNEED)` after a sync), so both come from the disk.
-The target is restore >= 70% of sequential.
+The store picks its read path (O_DIRECT or buffered) by measuring its own cold
+restores (`storage/ssd/reader.py`); `--learn` cold restores run first, as a
+store that has served a while has done, and the bench prints what it measured
+and the path it chose. The target is restore >= 80% of the faster sequential
+read of the same run.
 
     .venv/bin/python benchmarks/bench_ssd_restore.py [--dir DIR] [--total-mib 384]
 """
@@ -17,7 +21,6 @@ The target is restore >= 70% of sequential.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import statistics
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from pagedkv.storage.base import BlockMeta, KVBlock
+from pagedkv.storage.ssd.memory import direct_empty
 from pagedkv.storage.ssd.store import SSDStore
 
 SHAPE = (30, 2, 3, 64, 64)  # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; 64 tokens
@@ -57,17 +61,19 @@ def sequential_read(path: Path, chunk: int = 8 * MiB) -> tuple[int, float]:
 
 
 def direct_read(path: Path, chunk: int = 8 * MiB) -> tuple[int, float]:
-    """The same read with O_DIRECT (no page cache, no readahead limit): `dd iflag=direct`."""
-    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT requires
+    """The same read with O_DIRECT (no page cache, no readahead limit): `dd iflag=direct`,
+    into a buffer on huge pages, as the store reads: on 4 KiB pages a virtio disk's
+    segment limit splits each 8 MiB read into ~0.5-1 MiB requests, and this baseline
+    would be slower than the disk is (the store must be compared with its best)."""
+    buf = direct_empty(chunk)[0].numpy().data
     total = 0
-    start = time.perf_counter()
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    start = time.perf_counter()
     try:
-        while n := os.readv(fd, [buf]):
+        while n := os.preadv(fd, [buf], total):
             total += n
     finally:
         os.close(fd)
-        buf.close()
     return total, time.perf_counter() - start
 
 
@@ -101,6 +107,11 @@ def main() -> None:
     parser.add_argument("--per-get", type=int, default=64, help="blocks per get call")
     parser.add_argument("--read-threads", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--learn", type=int, default=4, help="cold restores before measuring")
+    parser.add_argument(
+        "--read-path", choices=["auto", "direct", "buffered"], default="auto",
+        help="auto: the store measures and chooses",
+    )  # fmt: skip
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="pagedkv-bench-ssd-", dir=args.dir))
@@ -109,7 +120,11 @@ def main() -> None:
         count = max(1, args.total_mib * MiB // block_bytes)
         blocks = make_blocks(count)
         store = SSDStore(
-            root / "kv", 4 * count * block_bytes, "bench", read_threads=args.read_threads
+            root / "kv",
+            4 * count * block_bytes,
+            "bench",
+            read_threads=args.read_threads,
+            read_path=None if args.read_path == "auto" else args.read_path,
         )
         start = time.perf_counter()
         for i in range(0, count, 32):  # within the write budget: nothing may be dropped
@@ -123,7 +138,7 @@ def main() -> None:
             for block in blocks:
                 f.write(block.kv.numpy().tobytes())
         del blocks
-        files = [p for p in (root / "kv").rglob("*") if p.is_file()]
+        files = [p for p in (root / "kv" / "blocks").rglob("*") if p.is_file()]
         print(
             f"{count} blocks of {block_bytes / MiB:.2f} MiB ({count * block_bytes / MiB:.0f} MiB) "
             f"in {root}, {args.read_threads} read threads, {args.per_get} blocks per get"
@@ -131,6 +146,10 @@ def main() -> None:
         os.sync()  # no writeback competing with the reads below
         restore(store, hashes, args.per_get)  # warm up code paths, then measure warm once
         warm_bytes, warm_s = restore(store, hashes, args.per_get)
+        for _ in range(args.learn):
+            drop_cache(files)
+            restore(store, hashes, args.per_get)
+        learned = store.reader.chooser.samples()
         rows = []
         for _ in range(args.repeat):
             drop_cache([plain])
@@ -139,6 +158,7 @@ def main() -> None:
             drop_cache(files)
             got_bytes, got_s = restore(store, hashes, args.per_get)
             rows.append((seq_bytes / seq_s, direct_bytes / direct_s, got_bytes / got_s))
+        chosen = store.reader.path
         store.close()
         print(f"\n{'run':>4} {'buffered MiB/s':>15} {'O_DIRECT MiB/s':>15}", end="")
         print(f" {'restore MiB/s':>14} {'ratio':>6}")
@@ -150,11 +170,18 @@ def main() -> None:
         ratio = statistics.median(ratios)
         print(f"{'med':>4} {med[0]:>15.0f} {med[1]:>15.0f} {med[2]:>14.0f} {ratio:>6.2f}")
         print("\nratio = restore / the faster sequential read of the same run")
+        for path, mib_s in learned.items():
+            figures = " ".join(f"{x:.0f}" for x in mib_s) or "-"
+            print(f"learned {path:>8} MiB/s: {figures}")
+        print(f"read path chosen: {chosen} (after {args.learn} cold restores)")
         print(f"warm page cache restore (CPU-bound ceiling): {warm_bytes / warm_s / MiB:.0f} MiB/s")
         write_rate = count * block_bytes / write_s / MiB
         print(f"write (put + flush, into the page cache): {write_rate:.0f} MiB/s")
-        verdict = "meets" if ratio >= 0.70 else "MISSES"
-        print(f"median restore / sequential = {ratio:.2f}: {verdict} the >= 0.70 target")
+        verdict = "meets" if min(ratios) >= 0.80 else "MISSES"
+        print(
+            f"restore / sequential: median {ratio:.2f}, lowest {min(ratios):.2f}: "
+            f"{verdict} the >= 0.80 target in every run"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

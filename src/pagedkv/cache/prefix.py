@@ -9,7 +9,6 @@ only; the pool's own lock keeps `stats()` readable from other threads.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +22,7 @@ from pagedkv.cache.explain import PrefixExplanation, explain_lookup
 from pagedkv.cache.hashing import BlockHasher, ExtraKeys, HashChain, TokenIds
 from pagedkv.cache.history import CacheHistory
 from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
+from pagedkv.cache.prefault import prefault as start_prefault
 from pagedkv.cache.ram import RamBlockStore
 from pagedkv.cache.snapshots import SnapshotStore
 from pagedkv.cache.split import WindowSplit
@@ -252,7 +252,7 @@ class RequestCache:
 
         def before_read(run: int) -> None:
             skip = (first, first + run * bs) if early else (0, 0)
-            prefault.append(_prefault(out, skip))
+            prefault.append(start_prefault(out, skip))
 
         try:
             lower = cache.lower
@@ -423,31 +423,3 @@ class RequestCache:
         if self.table:
             self._cache.pool.free(self.table)
             self.table = []
-
-
-def _prefault(t: torch.Tensor, skip: tuple[int, int]) -> threading.Thread:
-    """Touch every page of `t`'s memory `[L, 2, H, T, D]` on another thread, but for
-    tokens `[skip[0], skip[1])`, which the restore writes meanwhile. memset through
-    ctypes, not a torch op: ctypes drops the GIL, and a torch op on a second thread
-    would leave an OpenMP team behind that slows the worker's forwards."""
-    spans: list[tuple[int, int]] = []
-    if t.device.type == "cpu" and t.is_contiguous() and t.dim() == 5:
-        lo, hi = skip
-        row = t.stride(2) * t.element_size()  # one (layer, K/V, head) row of T tokens
-        tok = t.stride(3) * t.element_size()
-        base = t.data_ptr()
-        if hi <= lo:
-            spans = [(base, t.numel() * t.element_size())]
-        else:
-            for r in range(t.shape[0] * t.shape[1] * t.shape[2]):
-                start = base + r * row
-                spans += [(start, lo * tok), (start + hi * tok, row - hi * tok)]
-
-    def touch() -> None:
-        for ptr, nbytes in spans:
-            if nbytes > 0:
-                ctypes.memset(ptr, 0, nbytes)
-
-    thread = threading.Thread(target=touch, daemon=True)
-    thread.start()
-    return thread

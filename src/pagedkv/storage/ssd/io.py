@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pagedkv.errors import CacheCorruptionError
+from pagedkv.storage.ssd.memory import BlockMemory
 
 TEMP_MARK = ".tmp-"
 
@@ -40,6 +41,9 @@ def temp_owner_pid(name: str) -> int | None:
 
 
 _ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the logical block
+# Shared by every store of the process: ~90 blocks of 2.9 MiB, more than a 4K-token
+# restore holds at once, so a steady stream of restores faults nothing in.
+BLOCK_MEMORY = BlockMemory(keep_bytes=256 * 1024**2)
 _PAGE = mmap.PAGESIZE
 
 
@@ -74,13 +78,6 @@ def _load_mincore() -> Callable[[int, int], bool] | None:
 
 
 _page_cached = _load_mincore()
-
-
-def _aligned_empty(size: int) -> torch.Tensor:
-    """An uninitialised uint8 tensor whose memory starts on an `_ALIGN` boundary."""
-    raw = torch.empty(size + _ALIGN, dtype=torch.uint8)
-    offset = -raw.data_ptr() % _ALIGN
-    return raw[offset : offset + size]
 
 
 def _read_direct(fd: int, view: memoryview, done: int, size: int) -> int:
@@ -122,17 +119,18 @@ class FileRead:
 
 
 def read_block_file(path: Path, expected_size: int | None = None, direct: bool = True) -> FileRead:
-    """The whole file as a fresh uint8 tensor (no zero fill, no copy after the read).
+    """The whole file as a uint8 tensor of its own (no zero fill, no copy after the read).
 
     A file wholly in the page cache (recently written or read) is copied from it
     and left there. Otherwise it comes from the disk one of two ways, both
     without leaving it in the page cache, where the RAM tier's copy would only
     double it:
 
-    - `direct`: O_DIRECT, one request per file straight into the tensor, no
-      page-cache copy. (A non-blocking RWF_NOWAIT probe was rejected: its miss
-      starts a readahead that the O_DIRECT read then collides with, halving
-      throughput.) Buffered when the filesystem refuses O_DIRECT.
+    - `direct`: O_DIRECT, one request per file straight into the tensor
+      (`BLOCK_MEMORY`: huge pages, already faulted in), no page-cache copy. (A
+      non-blocking RWF_NOWAIT probe was rejected: its miss starts a readahead
+      that the O_DIRECT read then collides with, halving throughput.) Buffered
+      when the filesystem refuses O_DIRECT.
     - buffered: one read through the page cache (the kernel's readahead sizes
       the requests), then `POSIX_FADV_DONTNEED` for the file.
 
@@ -146,10 +144,12 @@ def read_block_file(path: Path, expected_size: int | None = None, direct: bool =
             raise CacheCorruptionError(
                 f"block file is {size} bytes, the index says {expected_size}"
             )
-        padded = _aligned_empty(size + -size % _ALIGN)
-        view = padded.numpy().data
         cold = size > 0 and (_page_cached is None or not _page_cached(fd, size))
-        done = _read_direct(fd, view, 0, size) if cold and direct and _page_cached else 0
+        padded = BLOCK_MEMORY.take(size + -size % _ALIGN)
+        view = padded.numpy().data
+        done = 0
+        if direct and cold and _page_cached is not None:
+            done = _read_direct(fd, view, 0, size)
         buffered = done < size
         while done < size:
             n = os.preadv(fd, [view[done:size]], done)

@@ -38,7 +38,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -206,16 +206,13 @@ class BlockReader:
         futures: dict[Future[R], int] = {
             self._pool.submit(fn, job): k for k, job in enumerate(jobs)
         }
-        pending = set(futures)
         error: BaseException | None = None
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                exc = future.exception()
-                if exc is not None:
-                    error = error or exc
-                elif error is None:
-                    yield futures[future], future.result()
+        for future in as_completed(futures):  # one waiter for all, not one per wait
+            exc = future.exception()
+            if exc is not None:
+                error = error or exc
+            elif error is None:
+                yield futures[future], future.result()
         if error is not None:
             raise error
 
