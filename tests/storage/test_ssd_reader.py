@@ -64,6 +64,16 @@ def test_chooser_keeps_its_figures_in_the_directory_across_restarts(tmp_path: Pa
     assert again.pick() == "buffered", "a restart does not measure from scratch"
 
 
+def test_chooser_retries_the_other_path_across_restarts(tmp_path: Path) -> None:
+    """A server restarted after every restore still retries the slower path on
+    schedule (the count of measured restores survives in the file)."""
+    speeds = {"direct": 500.0, "buffered": 2000.0}
+    _measure(ReadPathChooser(tmp_path), speeds, 2 * MIN_SAMPLES)
+    picked = [_measure(ReadPathChooser(tmp_path), speeds, 1)[0] for _ in range(2 * RETRY_EVERY)]
+    assert picked.count("direct") == 2
+    assert picked.count("buffered") == 2 * RETRY_EVERY - 2
+
+
 def test_chooser_ignores_small_or_warm_batches_and_a_broken_file(tmp_path: Path) -> None:
     (tmp_path / CHOICE_NAME).write_text("{not json")
     chooser = ReadPathChooser(tmp_path)

@@ -13,7 +13,9 @@ figures in `<directory>/read_path.json`, so a restart starts from the known
 faster path. Until each path has `MIN_SAMPLES` measurements the two alternate;
 after that the faster by median of the last `KEEP_SAMPLES` is used, and every
 `RETRY_EVERY`-th measured restore goes the other way, so a change of disk
-speed (a move to another host, a noisy neighbour that left) is noticed. Only a
+speed (a move to another host, a noisy neighbour that left) is noticed; the
+count of measured restores is kept in the file too, or a server restarted
+after every few restores would never reach a retry. Only a
 batch of at least `MIN_SAMPLE_BYTES`, all of it cold, is a measurement: a
 small batch is dominated by latency and a warm one by memcpy.
 
@@ -108,7 +110,12 @@ class ReadPathChooser:
             kept.append(nbytes / seconds / 1024**2)
             del kept[:-KEEP_SAMPLES]
             self._measured += 1
-            state = {"version": 1, "path": self._best(), "mib_s": self._samples}
+            state = {
+                "version": 1,
+                "path": self._best(),
+                "mib_s": self._samples,
+                "measured": self._measured,
+            }
             text = json.dumps(state, indent=1)
         self._save(text)
 
@@ -127,11 +134,13 @@ class ReadPathChooser:
             for p in READ_PATHS:
                 values = [float(x) for x in figures.get(p, [])]
                 self._samples[p] = [x for x in values if x > 0][-KEEP_SAMPLES:]
+            self._measured = max(0, int(state.get("measured", 0)))
         except FileNotFoundError:
             return
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
             log.info("ignoring the SSD read-path figures in %s (%s)", self._file, exc)
             self._samples = {p: [] for p in READ_PATHS}
+            self._measured = 0
 
     def _save(self, text: str) -> None:
         if self._file is None:

@@ -314,6 +314,8 @@ class SSDStore(KVTier):
             )
             if batch is not None:
                 batch.count(row.num_bytes, read.cold)
+            # The one place a read block is verified, for get, get_each and _confirm
+            # alike: the MAC check (issue 14, `self.secret`) belongs in this call.
             block, checksum = decode_file(read.data, block_hash, self.namespace)
         except FileNotFoundError:
             return None, "missing"
