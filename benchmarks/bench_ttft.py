@@ -7,9 +7,11 @@ For each tier the cached prefix is restored from, the warm TTFT is compared with
 - the cold TTFT (the same prompt with prefix caching off), and
 - the limit: prefilling only the 64 new tokens on a ready-made transformers
   cache, plus the prefix's KV bytes divided by the bandwidth of the medium the
-  tier restores from (memory copy for RAM, sequential disk read for SSD; for
-  Redis, a second engine with empty RAM and no SSD, the target is only the
-  ratio to cold), all measured in this run.
+  tier restores from (memory copy for RAM; for SSD the faster of a buffered and
+  an O_DIRECT sequential read of a cold 512 MiB file (`disk_reads.py`), each
+  measured before every run and taken by its median, since this virtual disk's
+  speed moves between runs; for Redis, a second engine with empty RAM and no
+  SSD, the target is only the ratio to cold), all measured in this run.
 
 With several `--kv-dtypes`, each tier runs every dtype in turn for each run, and
 reports the restore part of the TTFT (warm TTFT minus the float32 suffix-only
@@ -17,7 +19,12 @@ prefill: reading the KV, plus attention's upcast of the compact prefix) against
 the first dtype's.
 
 SSD and Redis runs each start a fresh process, as a restarted or second server
-would be; the SSD block files' pages are dropped from the page cache first.
+would be; the SSD block files' pages are dropped from the page cache first
+(and checked gone). `--learn` untimed SSD restarts come first, in which the
+store measures its read paths and keeps the faster (`storage/ssd/reader.py`),
+as a directory that has served a while has; the path chosen is printed.
+
+The last lines, `SUMMARY ...`, hold each row's figures as `key=value` pairs.
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ from transformers import DynamicCache
 
 from pagedkv import CacheConfig, Engine, GenerationResult, SamplingParams
 from pagedkv.model import load_model
+from pagedkv.storage.ssd.reader import CHOICE_NAME
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from disk_reads import drop_cache, sequential_reads, write_probe
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -60,32 +71,8 @@ def memory_bandwidth(num_bytes: int = 512 * 2**20) -> float:
     return num_bytes / best
 
 
-def disk_bandwidth(directory: Path, num_bytes: int = 512 * 2**20) -> float:
-    """Sequential read of a fresh large file with its pages dropped from the page cache."""
-    path = directory / "bandwidth.probe"
-    chunk = os.urandom(8 * 2**20)
-    with open(path, "wb") as f:
-        for _ in range(num_bytes // len(chunk)):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    t = time.perf_counter()
-    while os.read(fd, 16 * 2**20):
-        pass
-    elapsed = time.perf_counter() - t
-    os.close(fd)
-    path.unlink()
-    return num_bytes / elapsed
-
-
 def drop_page_cache(directory: Path) -> None:
-    for root, _, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+    drop_cache([Path(root, name) for root, _, files in os.walk(directory) for name in files])
 
 
 def start_redis(directory: Path) -> str:
@@ -183,6 +170,15 @@ def main() -> int:
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tiers", default="ram,ssd")
+    ap.add_argument(
+        "--learn", type=int, default=6,
+        help="unmeasured SSD restarts first, in which the store picks its read path",
+    )  # fmt: skip
+    ap.add_argument(
+        "--cold-runs", type=int, default=None,
+        help="prompts timed with caching off (default: max(2, runs - 1)); only the "
+        "cold/warm column uses them",
+    )  # fmt: skip
     ap.add_argument("--redis-url", default=None, help="default: start a private redis-server")
     ap.add_argument(
         "--kv-dtypes",
@@ -204,7 +200,8 @@ def main() -> int:
         kv_bytes[kd] = args.prefix * off.adapter.kv_bytes_per_token
     off.adapter.set_kv_dtype("auto")
     cold = statistics.median(
-        off.generate(prefix + s, ONE).ttft_s for s in suffixes[: max(2, args.runs - 1)]
+        off.generate(prefix + s, ONE).ttft_s
+        for s in suffixes[: args.cold_runs or max(2, args.runs - 1)]
     )
     off.close()
     # In a thread of its own, as the engine runs its forwards: a forward on the main
@@ -219,6 +216,7 @@ def main() -> int:
     thread.join()
     prefill = measured[0]
     rows = []
+    notes: list[str] = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("PAGEDKV_BENCH_DIR")) as tmp:
         if "ram" in tiers:
             bw = memory_bandwidth()
@@ -243,12 +241,37 @@ def main() -> int:
             }
             for cfg in cfgs.values():
                 restarted(args.model, cfg, prefix + suffixes[0])
-            bw = disk_bandwidth(Path(tmp))
+            for _ in range(args.learn):  # the store measures its read paths (ssd/reader.py)
+                for cfg in cfgs.values():
+                    drop_page_cache(Path(str(cfg["ssd_cache_dir"])))
+                    restarted(args.model, cfg, prefix + suffixes[0])
+            probe = write_probe(Path(tmp) / "bandwidth.probe", 512 * 2**20)
+            disk: dict[str, list[float]] = {"buffered": [], "O_DIRECT": []}
             warm_ssd: dict[str, list[tuple[float, int]]] = {kd: [] for kd in kv_dtypes}
             for s in suffixes[1:]:  # a restart for each run: empty RAM, cold page cache
+                for how, rate in sequential_reads(probe).items():  # the disk of this run
+                    disk[how].append(rate)
                 for kd, cfg in cfgs.items():  # interleaved, so load changes hit all alike
                     drop_page_cache(Path(str(cfg["ssd_cache_dir"])))
                     warm_ssd[kd].append(restarted(args.model, cfg, prefix + s))
+            probe.unlink()
+            for kd, cfg in cfgs.items():
+                choice = Path(str(cfg["ssd_cache_dir"])) / CHOICE_NAME
+                state = json.loads(choice.read_text()) if choice.exists() else {}
+                learned = "; ".join(
+                    f"{p} " + " ".join(f"{x:.0f}" for x in v)
+                    for p, v in state.get("mib_s", {}).items()
+                )
+                notes.append(
+                    f"ssd {kd}: read path {state.get('path', 'direct (no figures kept)')} "
+                    f"(its restores' MiB/s: {learned or '-'})"
+                )
+            medians = {how: statistics.median(v) for how, v in disk.items()}
+            bw = max(medians.values())
+            notes.append(
+                "disk sequential read, median of the runs: "
+                + ", ".join(f"{how} {r / 1e9:.2f} GB/s" for how, r in medians.items())
+            )
             for kd in kv_dtypes:
                 rows.append(("ssd", kd, warm_ssd[kd], bw, "disk sequential read"))
         if "redis" in tiers:
@@ -272,11 +295,14 @@ def main() -> int:
         + ", ".join(f"{kd} {b / 2**20:.1f} MiB" for kd, b in kv_bytes.items())
     )
     print(f"cold TTFT {cold * 1000:.0f} ms; suffix-only prefill {prefill * 1000:.1f} ms")
+    for note in notes:
+        print(note)
     print(
         f"{'tier':6} {'kv':9} {'cached':>7} {'warm ms':>8} {'cold/warm':>9} {'limit ms':>9} "
         f"{'warm/limit':>10} {'restore ms':>10} {'restore x':>9}  bandwidth"
     )
     base: dict[str, float] = {}
+    summary = []
     for name, kd, warm, bw, what in rows:
         t = statistics.median(ttft for ttft, _ in warm)
         cached = min(n for _, n in warm)
@@ -288,6 +314,13 @@ def main() -> int:
             f"{t / limit:>10.2f} {restore * 1000:>10.1f} {restore / base[name]:>9.2f}  "
             f"{bw / 1e9:.1f} GB/s ({what})"
         )
+        summary.append(
+            f"SUMMARY tier={name} kv={kd} cached={cached} warm_ms={t * 1000:.1f} "
+            f"limit_ms={limit * 1000:.1f} warm_over_limit={t / limit:.3f} "
+            f"cold_over_warm={cold / t:.1f} bandwidth_gb_s={bw / 1e9:.2f} "
+            f"runs_ms={','.join(f'{ttft * 1000:.0f}' for ttft, _ in warm)}"
+        )
+    print("\n".join(summary))
     return 0
 
 

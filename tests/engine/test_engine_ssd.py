@@ -195,10 +195,11 @@ def test_a_failing_lower_tier_costs_a_recompute_not_the_request(
         assert eng.prefix is not None
         tier = eng.prefix.lower.tiers[0]
 
-        def broken(hashes: list[bytes]) -> list[object]:
+        def broken(hashes: list[bytes], *on_block: object) -> list[object]:
             raise RuntimeError("disk on fire")
 
         monkeypatch.setattr(tier, "get", broken)
+        monkeypatch.setattr(tier, "get_each", broken)
         degraded = eng.generate(prompt, GREEDY)
         assert degraded.cached_tokens == 0
         assert degraded.token_ids == reference_outputs(tiny_llama_dir, [prompt])[0]

@@ -9,7 +9,6 @@ only; the pool's own lock keeps `stats()` readable from other threads.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -23,6 +22,7 @@ from pagedkv.cache.explain import PrefixExplanation, explain_lookup
 from pagedkv.cache.hashing import BlockHasher, ExtraKeys, HashChain, TokenIds
 from pagedkv.cache.history import CacheHistory
 from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
+from pagedkv.cache.prefault import prefault as start_prefault
 from pagedkv.cache.ram import RamBlockStore
 from pagedkv.cache.snapshots import SnapshotStore
 from pagedkv.cache.split import WindowSplit
@@ -247,6 +247,22 @@ class RequestCache:
         found: list[Found] = []
         prefault: list[threading.Thread] = []
         snapshots = cache.snapshots
+        # Where every layer keeps the whole prefix in one entry, a lower-tier block
+        # goes into `out` as soon as its read completes, while the others are read.
+        early = cache.split is None and snapshots is None and not cache.ram.layout.windows
+        placed: set[int] = set()
+        first = len(full) * bs
+
+        def place(i: int, f: Found) -> None:
+            lo = first + i * bs
+            if lo + bs <= out.shape[3] and f.block.kv.dtype == out.dtype:
+                out[:, :, :, lo : lo + bs].copy_(f.block.kv)
+                placed.add(i)
+
+        def before_read(run: int) -> None:
+            skip = (first, first + run * bs) if early else (0, 0)
+            prefault.append(start_prefault(out, skip))
+
         try:
             lower = cache.lower
             if lower and len(full) < len(chain.hashes):
@@ -256,7 +272,8 @@ class RequestCache:
                     chain.tokens,
                     len(full),
                     bs,
-                    lambda: prefault.append(_prefault(out)),
+                    before_read,
+                    place if early else None,
                 )
             ram_tokens = match.num_tokens
             if found and partial is not None:  # whole blocks beat a partial match
@@ -291,7 +308,8 @@ class RequestCache:
             ram_tokens = min(ram_tokens, n)
             ids = [b.block_id for b in full] + ([partial.block_id] if partial else [])
             pieces = [f.block.kv for f in found] + ([self._tail.block.kv] if self._tail else [])
-            copy_prefix(cache.ram, ids, ram_tokens, pieces, parts, len(full), out, n)
+            done = next((i for i in range(len(found)) if i not in placed), len(found))
+            copy_prefix(cache.ram, ids, ram_tokens, pieces, parts, len(full), out, n, done)
         except BaseException:
             for thread in prefault:
                 thread.join()
@@ -414,15 +432,3 @@ class RequestCache:
         if self.table:
             self._cache.pool.free(self.table)
             self.table = []
-
-
-def _prefault(t: torch.Tensor) -> threading.Thread:
-    """Touch every page of `t`'s memory on another thread. memset through ctypes,
-    not a torch op: ctypes drops the GIL, and a torch op on a second thread would
-    leave an OpenMP team behind that slows the worker's forwards."""
-    storage = t.untyped_storage()
-    thread = threading.Thread(
-        target=ctypes.memset, args=(storage.data_ptr(), 0, storage.nbytes()), daemon=True
-    )
-    thread.start()
-    return thread

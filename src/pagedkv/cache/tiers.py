@@ -90,6 +90,23 @@ class LowerTiers:
 
         return self._ask(tier, "get", op, [None] * len(hashes))
 
+    def _get_each(
+        self, tier: KVTier, hashes: list[bytes], on_block: Callable[[int, KVBlock], None]
+    ) -> None:
+        """`tier.get_each`, guarded like `_get`: only real blocks at valid positions reach
+        `on_block`, and a tier that raises is a miss for what it had not handed over."""
+
+        def checked(k: int, blk: object) -> None:
+            if isinstance(blk, KVBlock) and 0 <= k < len(hashes):
+                on_block(k, blk)
+
+        def op() -> None:
+            got = tier.get_each(hashes, checked)
+            if len(got) != len(hashes):
+                raise ValueError(f"get answered {len(got)} blocks for {len(hashes)} hashes")
+
+        self._ask(tier, "get", op, None)
+
     def _children(self, tier: KVTier, parent_key: bytes) -> list[BlockMeta]:
         def op() -> list[BlockMeta]:
             return [
@@ -129,10 +146,14 @@ class LowerTiers:
         tokens: np.ndarray,
         start: int,
         block_size: int,
-        before_read: Callable[[], object] | None = None,
+        before_read: Callable[[int], object] | None = None,
+        on_found: Callable[[int, Found], object] | None = None,
     ) -> list[Found]:
         """The run of full blocks `start, start+1, ...` that some tier holds, verified.
-        `before_read` is called once the run is known to be non-empty, before reading it."""
+        `before_read(run)` is called once the run (its length) is known to be non-empty,
+        before reading it; `on_found(i, found)` for block `start + i` as soon as it is
+        read and verified, in no particular order, while the others are read (a block
+        after the first failure may be among them)."""
         wanted = list(hashes[start:])
         if not wanted or not self.tiers:
             return []
@@ -148,17 +169,21 @@ class LowerTiers:
                     owner[i] = tier
         run = next((i for i, o in enumerate(owner) if o is None), len(owner))
         if run and before_read is not None:
-            before_read()
+            before_read(run)
         found: list[Found | None] = [None] * run
         for tier in self.tiers:
             idx = [i for i in range(run) if owner[i] is tier]
+
+            def verify(k: int, blk: KVBlock, idx: list[int] = idx, tier: KVTier = tier) -> None:
+                i, n = idx[k], start + idx[k]
+                toks = tokens[n * block_size : (n + 1) * block_size]
+                if self._valid(blk, wanted[i], parent_keys[n], toks):
+                    got = found[i] = Found(tier.name, blk)
+                    if on_found is not None:
+                        on_found(i, got)
+
             if idx:
-                for i, blk in zip(idx, self._get(tier, [wanted[i] for i in idx]), strict=True):
-                    n = start + i
-                    toks = tokens[n * block_size : (n + 1) * block_size]
-                    if self._valid(blk, wanted[i], parent_keys[n], toks):
-                        assert blk is not None
-                        found[i] = Found(tier.name, blk)
+                self._get_each(tier, [wanted[i] for i in idx], verify)
         out: list[Found] = []
         for f in found:
             if f is None:

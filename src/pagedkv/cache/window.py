@@ -87,13 +87,16 @@ def copy_prefix(
     first_piece_block: int,
     out: torch.Tensor,
     n: int,
+    placed: int = 0,
 ) -> None:
     """Write tokens `[0, n)` of a prefix into `out` `[L, 2, H, >= n, D]`: `[0,
     ram_tokens)` from the RAM blocks `ram_ids`, the rest from `pieces` (lower-tier
     blocks' KV, the first of them block `first_piece_block`); each sliding layer from
     its window's first block on. With `window_pieces` (`cache.split`) `pieces` hold
     the full layers only and `window_pieces` the sliding layers, None outside the
-    window. One gather per run of layers, never per token."""
+    window. `pieces[:placed]` are in `out` already, for every layer (a restore
+    without sliding layers copies each block as its read completes). One gather per
+    run of layers, never per token."""
     bs = ram.layout.block_size
     for run in window_runs(ram.layout.windows, out.shape[0], n, bs):
         rows, start = out[run.layers], run.first_block * bs
@@ -101,7 +104,7 @@ def copy_prefix(
             rows[:, :, :, :start].zero_()  # CPU buffers are fresh zero pages already
         if start < ram_tokens:
             ram.gather_into(ram_ids[run.first_block :], rows[:, :, :, start:ram_tokens], run.layers)
-        lo = max(start, ram_tokens)
+        lo = max(start, ram_tokens, (first_piece_block + placed) * bs if placed else 0)
         if lo >= n:
             continue
         source: Sequence[torch.Tensor | None] = pieces

@@ -11,7 +11,7 @@ stores it (the model's dtype, 16-bit floats, or 8-bit rows with their scales as 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,6 +114,19 @@ class KVTier(ABC):
 
     @abstractmethod
     def get(self, hashes: Sequence[bytes]) -> list[KVBlock | None]: ...
+
+    def get_each(
+        self, hashes: Sequence[bytes], on_block: Callable[[int, KVBlock], object] | None
+    ) -> list[KVBlock | None]:
+        """`get`, calling `on_block(i, block)` on the calling thread for every block
+        found. A tier that reads blocks one by one (SSD) calls it as each arrives, so
+        the caller's copy overlaps the remaining reads; this default, after `get`."""
+        blocks = self.get(hashes)
+        if on_block is not None:
+            for i, block in enumerate(blocks):
+                if block is not None:
+                    on_block(i, block)
+        return blocks
 
     @abstractmethod
     def put(self, blocks: Sequence[KVBlock]) -> None: ...

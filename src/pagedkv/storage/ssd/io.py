@@ -2,8 +2,9 @@
 
 Writes go to a temporary name beside the final one (tagged with the writer's
 pid so that start-up can tell a dead writer's leftovers); the caller renames.
-Reads fill one freshly allocated, page-aligned tensor per file, with O_DIRECT
-when the file is not in the page cache.
+Reads fill one freshly allocated, page-aligned tensor per file; a file not in
+the page cache is read with O_DIRECT or buffered and dropped from the cache
+after (the choice between them is `ssd_reader`'s).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import fcntl
 import mmap
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from pagedkv.errors import CacheCorruptionError
+from pagedkv.storage.ssd.memory import BlockMemory
 
 TEMP_MARK = ".tmp-"
 
@@ -38,6 +41,9 @@ def temp_owner_pid(name: str) -> int | None:
 
 
 _ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the logical block
+# Shared by every store of the process: ~90 blocks of 2.9 MiB, more than a 4K-token
+# restore holds at once, so a steady stream of restores faults nothing in.
+BLOCK_MEMORY = BlockMemory(keep_bytes=256 * 1024**2)
 _PAGE = mmap.PAGESIZE
 
 
@@ -74,13 +80,6 @@ def _load_mincore() -> Callable[[int, int], bool] | None:
 _page_cached = _load_mincore()
 
 
-def _aligned_empty(size: int) -> torch.Tensor:
-    """An uninitialised uint8 tensor whose memory starts on an `_ALIGN` boundary."""
-    raw = torch.empty(size + _ALIGN, dtype=torch.uint8)
-    offset = -raw.data_ptr() % _ALIGN
-    return raw[offset : offset + size]
-
-
 def _read_direct(fd: int, view: memoryview, done: int, size: int) -> int:
     """Read `[done, size)` with O_DIRECT, from the aligned offset below `done`.
 
@@ -109,16 +108,32 @@ def _read_direct(fd: int, view: memoryview, done: int, size: int) -> int:
     return max(done, pos)
 
 
-def read_file(path: Path, expected_size: int | None = None) -> torch.Tensor:
-    """The whole file as a fresh uint8 tensor (no zero fill, no copy after the read).
+@dataclass(slots=True)
+class FileRead:
+    """One block file read whole: its bytes, and whether they came from the disk
+    (`cold`: not all of the file was in the page cache), which only such reads
+    measure."""
 
-    A file wholly in the page cache (recently written or read) is copied from
-    it. Otherwise it is read with O_DIRECT: one large request per file, straight
-    into the tensor, without the page-cache copy, which on a busy CPU is what
-    keeps a parallel restore near the disk's bandwidth, and without filling the
-    cache with blocks the RAM tier will hold anyway. (A non-blocking RWF_NOWAIT
-    probe was rejected: its miss starts a readahead that the O_DIRECT read then
-    collides with, halving throughput.) Buffered when O_DIRECT is refused.
+    data: torch.Tensor
+    cold: bool
+
+
+def read_block_file(path: Path, expected_size: int | None = None, direct: bool = True) -> FileRead:
+    """The whole file as a uint8 tensor of its own (no zero fill, no copy after the read).
+
+    A file wholly in the page cache (recently written or read) is copied from it
+    and left there. Otherwise it comes from the disk one of two ways, both
+    without leaving it in the page cache, where the RAM tier's copy would only
+    double it:
+
+    - `direct`: O_DIRECT, one request per file straight into the tensor
+      (`BLOCK_MEMORY`: huge pages, already faulted in), no page-cache copy. (A
+      non-blocking RWF_NOWAIT probe was rejected: its miss starts a readahead
+      that the O_DIRECT read then collides with, halving throughput.) Buffered
+      when the filesystem refuses O_DIRECT.
+    - buffered: one read through the page cache (the kernel's readahead sizes
+      the requests), then `POSIX_FADV_DONTNEED` for the file.
+
     Raises FileNotFoundError, OSError, or CacheCorruptionError when the size is
     not `expected_size` (a truncated or replaced file).
     """
@@ -129,19 +144,28 @@ def read_file(path: Path, expected_size: int | None = None) -> torch.Tensor:
             raise CacheCorruptionError(
                 f"block file is {size} bytes, the index says {expected_size}"
             )
-        padded = _aligned_empty(size + -size % _ALIGN)
+        cold = size > 0 and (_page_cached is None or not _page_cached(fd, size))
+        padded = BLOCK_MEMORY.take(size + -size % _ALIGN)
         view = padded.numpy().data
         done = 0
-        if size and _page_cached is not None and not _page_cached(fd, size):
+        if direct and cold and _page_cached is not None:
             done = _read_direct(fd, view, 0, size)
+        buffered = done < size
         while done < size:
             n = os.preadv(fd, [view[done:size]], done)
             if n == 0:
                 raise CacheCorruptionError(f"block file shrank while read ({done} of {size})")
             done += n
-        return padded[:size]
+        if cold and buffered and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return FileRead(padded[:size], cold)
     finally:
         os.close(fd)
+
+
+def read_file(path: Path, expected_size: int | None = None) -> torch.Tensor:
+    """`read_block_file(path, expected_size).data`: O_DIRECT unless the file is cached."""
+    return read_block_file(path, expected_size).data
 
 
 def write_temp(path: Path, prefix: bytes, buffers: list[memoryview], fsync: bool) -> Path:
