@@ -15,7 +15,6 @@ from ssd_worker import NAMESPACE, block_hash, make_block, same_block
 
 from pagedkv.storage.ssd import io as ssd_io
 from pagedkv.storage.ssd import reader as ssd_reader
-from pagedkv.storage.ssd.format import block_path
 from pagedkv.storage.ssd.memory import HUGE, BlockMemory
 from pagedkv.storage.ssd.reader import (
     CHOICE_NAME,
@@ -26,6 +25,7 @@ from pagedkv.storage.ssd.reader import (
     ReadPathChooser,
 )
 from pagedkv.storage.ssd.store import SSDStore
+from pagedkv.storage.ssd.versions import block_path
 
 MiB = 1024**2
 BIG = MIN_SAMPLE_BYTES  # one measurable batch
