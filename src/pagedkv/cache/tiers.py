@@ -92,20 +92,22 @@ class LowerTiers:
 
     def _get_each(
         self, tier: KVTier, hashes: list[bytes], on_block: Callable[[int, KVBlock], None]
-    ) -> None:
+    ) -> bool:
         """`tier.get_each`, guarded like `_get`: only real blocks at valid positions reach
-        `on_block`, and a tier that raises is a miss for what it had not handed over."""
+        `on_block`. False when the tier raised or answered garbage: then the caller takes
+        none of its answer, not even the blocks already handed over."""
 
         def checked(k: int, blk: object) -> None:
             if isinstance(blk, KVBlock) and 0 <= k < len(hashes):
                 on_block(k, blk)
 
-        def op() -> None:
+        def op() -> bool:
             got = tier.get_each(hashes, checked)
             if len(got) != len(hashes):
                 raise ValueError(f"get answered {len(got)} blocks for {len(hashes)} hashes")
+            return True
 
-        self._ask(tier, "get", op, None)
+        return self._ask(tier, "get", op, False)
 
     def _children(self, tier: KVTier, parent_key: bytes) -> list[BlockMeta]:
         def op() -> list[BlockMeta]:
@@ -182,8 +184,9 @@ class LowerTiers:
                     if on_found is not None:
                         on_found(i, got)
 
-            if idx:
-                self._get_each(tier, [wanted[i] for i in idx], verify)
+            if idx and not self._get_each(tier, [wanted[i] for i in idx], verify):
+                for i in idx:
+                    found[i] = None
         out: list[Found] = []
         for f in found:
             if f is None:
