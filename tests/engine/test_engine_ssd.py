@@ -204,6 +204,9 @@ def test_a_failing_lower_tier_costs_a_recompute_not_the_request(
         assert degraded.cached_tokens == 0
         assert degraded.token_ids == reference_outputs(tiny_llama_dir, [prompt])[0]
         assert eng.cache_stats().cache.pool.allocated == 0, "the failed lookup leaked blocks"
-        assert eng.cache_stats().scheduling.cache_errors == 1
+        # The lower-tier walk takes a raising tier as a miss (counted there), so the
+        # request never reaches the worker's catch-all.
+        assert eng.prefix.lower.failures >= 1
+        assert eng.cache_stats().scheduling.cache_errors == 0
         monkeypatch.undo()
         assert eng.generate(prompt, GREEDY).cached_tokens == len(prompt) - 1
