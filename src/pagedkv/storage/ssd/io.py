@@ -9,7 +9,6 @@ after (the choice between them is `ssd_reader`'s).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -24,21 +23,6 @@ import torch
 
 from pagedkv.errors import CacheCorruptionError
 from pagedkv.storage.ssd.memory import BlockMemory
-
-TEMP_MARK = ".tmp-"
-
-
-def temp_name(final: Path) -> Path:
-    """A temporary name beside `final`, tagged with our pid so start-up can tell stale ones."""
-    return final.with_name(f"{final.name}{TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}")
-
-
-def temp_owner_pid(name: str) -> int | None:
-    """The pid in a temporary file's name, or None when the name carries none."""
-    tail = name.rpartition(TEMP_MARK)[2]
-    pid_text = tail.partition("-")[0]
-    return int(pid_text) if pid_text.isdigit() else None
-
 
 _ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the logical block
 # Shared by every store of the process: ~90 blocks of 2.9 MiB, more than a 4K-token
@@ -166,29 +150,3 @@ def read_block_file(path: Path, expected_size: int | None = None, direct: bool =
 def read_file(path: Path, expected_size: int | None = None) -> torch.Tensor:
     """`read_block_file(path, expected_size).data`: O_DIRECT unless the file is cached."""
     return read_block_file(path, expected_size).data
-
-
-def write_temp(path: Path, prefix: bytes, buffers: list[memoryview], fsync: bool) -> Path:
-    """Write `prefix + buffers` to a new temporary name beside `path`; return that name.
-
-    The caller renames it into place (atomic: readers and a crash see the whole
-    file or none). Without `fsync`, a power loss can leave a renamed file with
-    missing data; the checksum turns that into a miss, never a wrong hit.
-    """
-    tmp = temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            for chunk in [memoryview(prefix), *buffers]:
-                done = 0
-                while done < chunk.nbytes:
-                    done += os.write(fd, chunk[done:])
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return tmp
