@@ -1,7 +1,6 @@
-"""File I/O of the SSD store: atomic writes and fast, verified-size reads.
+"""File reads of the SSD store: fast, verified-size reads (writes and their
+lock-owned temporaries are `ownership.py`'s).
 
-Writes go to a temporary name beside the final one (tagged with the writer's
-pid so that start-up can tell a dead writer's leftovers); the caller renames.
 Reads fill one freshly allocated, page-aligned tensor per file; a file not in
 the page cache is read with O_DIRECT or buffered and dropped from the cache
 after (the choice between them is `ssd_reader`'s).
