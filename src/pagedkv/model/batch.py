@@ -41,8 +41,13 @@ ATTENTION_NAME = "pagedkv_ragged"
 # Multiple of the CPU flash-attention kernel's key block (512), so a sliding window's
 # first key block starts at the same absolute position however a prefill was chunked.
 _KEY_ALIGN = 2048
-# Decode rows with at most this many keys each are attended in one call per layer.
+# Decode rows with at most this many keys each are attended in one call per layer,
+# when the padded copy of one layer's keys and values fits in this many bytes (the
+# bundled model's 16 rows at 1K keys take 24 MiB; a wide model's copy counts against
+# the memory the KV budget leaves to activations).
 _GROUP_MAX_KEYS = 1024
+_GROUP_MAX_BYTES = 32 * 2**20
+_GROUP_PAD_TO = 64
 
 
 @dataclass(slots=True)
@@ -100,10 +105,15 @@ class RaggedPlan:
             self._spans[window] = spans
         return spans
 
-    def decode_together(self, window: int | None, spans: list[_Span]) -> _DecodeGroup | None:
+    def decode_together(
+        self, window: int | None, spans: list[_Span], dtype: torch.dtype
+    ) -> _DecodeGroup | None:
         """The decode rows to attend in one call, or None when that does not pay: fewer
         than two, or so many keys that the padded copy would cost more than the calls
-        it saves (measured break-even near 1K keys a row on the bundled model)."""
+        it saves (measured break-even near 1K keys a row on the bundled model) or more
+        memory than `_GROUP_MAX_BYTES`. The copy is made once per step and every layer
+        with this window reuses it; its length is rounded up to `_GROUP_PAD_TO`, so
+        the steps of a stream ask the allocator for the same few sizes."""
         if window in self._groups:
             return self._groups[window]
         group = None
@@ -111,13 +121,25 @@ class RaggedPlan:
         if self.group_decode and len(decode) >= 2:
             lengths = [s.keys.shape[3] for s in decode]
             longest = max(lengths)
-            if longest <= _GROUP_MAX_KEYS and longest * len(decode) <= 2 * sum(lengths):
+            padded = -(-longest // _GROUP_PAD_TO) * _GROUP_PAD_TO
+            _, _, kv_heads, _, head_dim = decode[0].keys.shape
+            shape = (len(decode), kv_heads, padded, head_dim)
+            copy = 2 * shape[0] * padded * kv_heads * head_dim * dtype.itemsize
+            if (
+                longest <= _GROUP_MAX_KEYS
+                and longest * len(decode) <= 2 * sum(lengths)
+                and copy <= _GROUP_MAX_BYTES
+            ):
                 device = decode[0].keys.device
-                mask = torch.arange(longest, device=device) < torch.tensor(
+                mask = torch.arange(padded, device=device) < torch.tensor(
                     lengths, device=device
                 ).unsqueeze(1)
                 rows = torch.tensor([s.first for s in decode], device=device)
-                group = _DecodeGroup(rows, decode, mask[:, None, None, :])
+                # Zeros: the padding is never written, and masked keys must be finite.
+                keys = torch.zeros(shape, dtype=dtype, device=device)
+                group = _DecodeGroup(
+                    rows, decode, mask[:, None, None, :], keys, torch.zeros_like(keys)
+                )
         self._groups[window] = group
         return group
 
@@ -194,7 +216,7 @@ def ragged_attention(
     kv_heads, head_dim = key.shape[1], query.shape[3]
     spans = pagedkv_plan.spans(window, query.device)
     out = query.new_zeros((1, query.shape[1], query.shape[2], head_dim))
-    together = pagedkv_plan.decode_together(window, spans)
+    together = pagedkv_plan.decode_together(window, spans, query.dtype)
     for s in spans:
         rows = slice(s.first, s.first + s.n)
         new = torch.stack((key[0, :, rows], value[0, :, rows]), out=s.new[layer] if plain else None)
@@ -227,12 +249,15 @@ def ragged_attention(
 
 @dataclass(slots=True)
 class _DecodeGroup:
-    """Decode rows attended in one call: their rows of the batch, their spans, and the
-    mask `[B, 1, 1, longest]` that hides each row's padding keys."""
+    """Decode rows attended in one call: their rows of the batch, their spans, the
+    mask `[B, 1, 1, padded]` that hides each row's padding keys, and the padded
+    `[B, kv_heads, padded, head_dim]` keys and values each layer copies its KV into."""
 
     rows: torch.Tensor
     spans: list[_Span]
     mask: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 def _attend_together(
@@ -244,14 +269,11 @@ def _attend_together(
     scaling: float | None,
 ) -> None:
     """One attention call for every decode row of the step: each row's keys and values
-    are copied into one padded `[B, kv_heads, longest, head_dim]` pair. At short
-    context the copy costs less than a call per sequence (measured: ~0.16 ms a call on
-    the bundled model, most of it fixed cost)."""
-    b, longest = len(group.spans), group.mask.shape[-1]
-    first = group.spans[0]
-    kv_heads, head_dim = first.keys.shape[2], query.shape[3]
-    keys = query.new_zeros((b, kv_heads, longest, head_dim))
-    values = torch.zeros_like(keys)
+    are copied into the group's padded pair. At short context the copy costs less than
+    a call per sequence (measured: ~0.16 ms a call on the bundled model, most of it
+    fixed cost)."""
+    keys, values = group.keys, group.values
+    b, kv_heads, _, head_dim = keys.shape
     for i, s in enumerate(group.spans):
         k, v = s.keys[layer][0], s.values[layer][0]
         if fmt is not None:
