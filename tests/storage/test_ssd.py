@@ -555,6 +555,28 @@ def test_maintenance_refuses_a_directory_that_is_not_a_cache(tmp_path: Path) -> 
         check_cache(tmp_path / "nowhere")
 
 
+def test_flush_waits_for_touches_the_writer_has_taken(new_store, monkeypatch) -> None:
+    """A hit's LRU refresh is written by the writer thread; flush returns only after
+    it is (a fork after a flush must not catch the writer inside a transaction)."""
+    store = new_store()
+    block = make_block(1)
+    _put_all(store, [block])
+    gate, entered = threading.Event(), threading.Event()
+    real = store._index.upsert
+
+    def slow_upsert(*args, **kwargs):
+        entered.set()
+        assert gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store._index, "upsert", slow_upsert)
+    assert store.get([block.meta.block_hash])[0] is not None  # queues a touch
+    assert entered.wait(10)
+    assert not store.flush(0.3)  # the touch is being written
+    gate.set()
+    assert store.flush(10)
+
+
 def test_forked_child_gets_its_own_connection_and_writer(new_store, tmp_path: Path) -> None:
     store = new_store()
     old, new = make_block(1), make_block(2)  # built before the fork: the child computes nothing

@@ -87,7 +87,12 @@ MiB = 1024**2
 
 
 class SSDStore(KVTier):
-    """KV blocks in `<directory>/blocks/<hh>/<hh>/<hash>.safetensors`, indexed in SQLite."""
+    """KV blocks in `<directory>/blocks/<hh>/<hh>/<hash>.safetensors`, indexed in SQLite.
+
+    A process may fork after `flush()` returns True: the child starts threads and
+    SQLite connections of its own on its first call. A fork while the writer is
+    inside a transaction (blocks or LRU touches not yet flushed) leaves the child
+    a copy of SQLite's lock state that no thread of it will release."""
 
     name = "ssd"
 

@@ -128,6 +128,7 @@ class BlockWriter:
         self._inflight: dict[bytes, KVBlock] = {}  # taken by the thread, not yet indexed
         self._queued_bytes = 0
         self._touches: set[bytes] = set()
+        self._touching = False  # a batch of touches taken off `_touches`, not yet written
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="pagedkv-ssd-writer", daemon=True)
 
@@ -205,7 +206,12 @@ class BlockWriter:
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._inflight or (self._touches and not self._paused()):
+            while (
+                self._pending
+                or self._inflight
+                or self._touching
+                or (self._touches and not self._paused())
+            ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._thread.is_alive():
                     return False
@@ -250,6 +256,7 @@ class BlockWriter:
                     batch.append(block)
                     size += block.num_bytes
                 touches, self._touches = self._touches, set()
+                self._touching = bool(touches)
             try:
                 with self._cond:
                     paused = self._paused()
@@ -270,6 +277,7 @@ class BlockWriter:
                     for block in batch:
                         self._inflight.pop(block.meta.block_hash, None)
                         self._queued_bytes -= block.num_bytes
+                    self._touching = False
                     self._cond.notify_all()
 
     def _write_batch(self, batch: list[KVBlock], touches: set[bytes]) -> None:
