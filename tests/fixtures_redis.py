@@ -1,6 +1,8 @@
 """A real redis-server started by the test run on 127.0.0.1, on a free port.
 
 `redis_server` (session) is shared by every test; `redis_url` flushes it first.
+`start_redis_cluster()` starts a three-node Redis Cluster (one primary per
+third of the hash slots, no replicas).
 Tests that stop, pause or shrink a server start their own with `start_redis()`
 or the `redis_server_factory` fixture, so the shared one stays healthy. Tests
 skip only when no `redis-server` binary exists (CI installs it and sets
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,12 +34,16 @@ from pagedkv.storage.base import BlockMeta, KVBlock
 
 __all__ = [
     "RedisServer",
+    "form_cluster",
     "make_block",
     "make_chain",
+    "redis_cluster_nodes",
+    "redis_cluster_url",
     "redis_server",
     "redis_server_factory",
     "redis_url",
     "start_redis",
+    "start_redis_cluster",
 ]
 
 _START_TIMEOUT_S = 10.0
@@ -138,18 +145,22 @@ class RedisServer:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def start_redis(
-    port: int | None = None, maxmemory: str | None = None, extra_args: Sequence[str] = ()
-) -> Iterator[RedisServer]:
-    """A fresh redis-server for the duration of the block; skips the test if none is installed."""
+def _require_binary() -> str:
     binary = redis_server_binary()
     if binary is None:
         reason = "redis-server is not installed (apt-get install -y redis-server)"
         if os.environ.get("PAGEDKV_REQUIRE_REDIS") == "1":  # set by CI: a skip would hide gaps
             pytest.fail(reason + " but PAGEDKV_REQUIRE_REDIS=1")
         pytest.skip(reason)
-    server = RedisServer(binary, port, maxmemory, extra_args)
+    return binary
+
+
+@contextlib.contextmanager
+def start_redis(
+    port: int | None = None, maxmemory: str | None = None, extra_args: Sequence[str] = ()
+) -> Iterator[RedisServer]:
+    """A fresh redis-server for the duration of the block; skips the test if none is installed."""
+    server = RedisServer(_require_binary(), port, maxmemory, extra_args)
     try:
         for attempt in range(3):
             try:
@@ -163,6 +174,78 @@ def start_redis(
         yield server
     finally:
         server.cleanup()
+
+
+_CLUSTER_SLOTS = 16384
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (10000 higher, at most 65535) is free too."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 55536)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+def _command(port: int, *args: str | int) -> bytes:
+    """One command in RESP over a fresh socket; the raw reply."""
+    parts = [str(a).encode() for a in args]
+    payload = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in parts)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(payload)
+        return sock.recv(65536)
+
+
+@contextlib.contextmanager
+def start_redis_cluster(
+    ports: Sequence[int] | None = None, wait: bool = True
+) -> Iterator[list[RedisServer]]:
+    """Three redis-servers in cluster mode, each serving a third of the slots.
+
+    With `wait=False` the nodes are only planned (ports chosen, nothing started):
+    call `form_cluster(nodes)` later, to test a cluster that comes up after the
+    engine did."""
+    binary = _require_binary()
+    with contextlib.ExitStack() as stack:
+        ports = list(ports) if ports else [_free_cluster_port() for _ in range(3)]
+        nodes = []
+        for port in ports:
+            node = RedisServer(
+                binary,
+                port,
+                extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+            )
+            stack.callback(node.cleanup)
+            nodes.append(node)
+        if wait:
+            form_cluster(nodes)
+        yield nodes
+
+
+def form_cluster(nodes: Sequence[RedisServer]) -> None:
+    """Start the nodes, give each its third of the slots, introduce them to one
+    another, and wait until every node says the cluster is ok."""
+    for node in nodes:
+        node.start()
+    for i, node in enumerate(nodes):
+        first = i * _CLUSTER_SLOTS // len(nodes)
+        last = (i + 1) * _CLUSTER_SLOTS // len(nodes) - 1
+        assert _command(node.port, "CLUSTER", "ADDSLOTSRANGE", first, last).startswith(b"+OK")
+    for node in nodes:
+        for other in nodes:
+            if other is not node:
+                _command(node.port, "CLUSTER", "MEET", "127.0.0.1", other.port)
+    deadline = time.monotonic() + 30
+    while not all(b"cluster_state:ok" in _command(n.port, "CLUSTER", "INFO") for n in nodes):
+        assert time.monotonic() < deadline, "the test's Redis Cluster did not form in 30 s"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
@@ -179,6 +262,20 @@ def redis_url(redis_server: RedisServer) -> str:
     redis_server.start()
     redis_server.flushall()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_nodes() -> Iterator[list[RedisServer]]:
+    with start_redis_cluster() as nodes:
+        yield nodes
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster_nodes: list[RedisServer]) -> str:
+    """A URL of the shared three-node cluster (its first node), emptied for this test."""
+    for node in redis_cluster_nodes:
+        node.flushall()
+    return redis_cluster_nodes[0].url
 
 
 @pytest.fixture

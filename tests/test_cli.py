@@ -39,6 +39,18 @@ def test_ssd_tier_is_on_by_default_in_the_cli_and_can_be_turned_off(
     )  # type: ignore[arg-type]
 
 
+def test_redis_cluster_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = "redis://127.0.0.1:7000/0"
+    cfg = cli.cache_config_from_args(_parse("serve", "--redis-url", url))  # type: ignore[arg-type]
+    assert cfg.redis_url == url and not cfg.redis_cluster
+    cfg = cli.cache_config_from_args(_parse("serve", "--redis-url", url, "--redis-cluster"))  # type: ignore[arg-type]
+    assert cfg.redis_cluster
+    monkeypatch.setenv("PAGEDKV_REDIS_CLUSTER", "1")
+    assert cli.cache_config_from_args(_parse("serve", "--redis-url", url)).redis_cluster  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="redis_cluster needs redis_url"):
+        cli.cache_config_from_args(_parse("serve"))  # type: ignore[arg-type]
+
+
 def test_bad_sizes_are_refused_clearly() -> None:
     with pytest.raises(ValueError, match="512MB or 4GiB"):
         cli.cache_config_from_args(_parse("serve", "--ram-cache", "lots"))  # type: ignore[arg-type]

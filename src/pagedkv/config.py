@@ -93,6 +93,7 @@ class CacheConfig:
     ssd_namespace_quota_bytes: int | None = None
     ssd_write_buffer_bytes: int = 256 * 1024**2
     redis_url: str | None = None
+    redis_cluster: bool = False  # redis_url names a node of a Redis Cluster
     hash_algorithm: str = "xxh3_128"
     hash_seed: bytes | str | None = None
     # Authenticates stored blocks on SSD and Redis (see `storage.secret`); None: the
@@ -114,6 +115,11 @@ class CacheConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}"
+            )
+        if self.redis_cluster and not self.redis_url:
+            raise ValueError(
+                "redis_cluster needs redis_url: the URL of any node of the cluster "
+                "(--redis-url redis://host:port/0 with --redis-cluster)"
             )
         if self.hash_algorithm not in ("xxh3_128", "sha256"):
             raise ValueError(

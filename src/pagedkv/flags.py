@@ -81,6 +81,12 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         help="shared Redis tier, e.g. redis://127.0.0.1:6379/0",
     )
     p.add_argument(
+        "--redis-cluster",
+        action="store_true",
+        default=env_bool("--redis-cluster"),
+        help="--redis-url names a node of a Redis Cluster: blocks spread over its shards",
+    )
+    p.add_argument(
         "--cache-secret-file",
         default=env("--cache-secret-file"),
         help="file holding a secret that authenticates every block on SSD and Redis "
@@ -163,6 +169,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         ssd_cache_dir=None if args.no_ssd_cache else Path(args.ssd_cache_dir).expanduser(),
         ssd_cache_bytes=parse_size(args.ssd_cache) if args.ssd_cache else None,
         redis_url=args.redis_url or None,
+        redis_cluster=getattr(args, "redis_cluster", False),
         cache_secret_file=getattr(args, "cache_secret_file", None) or None,
         hash_algorithm=args.hash_algorithm,
         enable_prefix_caching=not args.no_prefix_cache,

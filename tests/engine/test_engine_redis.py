@@ -32,6 +32,23 @@ def test_second_engine_in_another_process_reuses_blocks(
     assert stats["stats"]["cache"]["tiers"]["redis"]["hits"] > 0
 
 
+def test_engines_share_blocks_through_a_redis_cluster(
+    tiny_llama_dir: Path, redis_cluster_url: str
+) -> None:
+    shared = random_prompt(11, 48)
+    prompts = [shared + random_prompt(12, 5), shared + random_prompt(13, 7)]
+    want = reference_outputs(tiny_llama_dir, prompts)
+    cache = {"block_size": BS, "redis_url": redis_cluster_url, "redis_cluster": True}
+    with Engine.from_pretrained(str(tiny_llama_dir), config=CacheConfig(**cache)) as first:
+        assert first.generate(prompts[0], GREEDY).token_ids == want[0]
+    *results, stats = run_worker(tiny_llama_dir, cache, prompts)  # empty RAM, no SSD
+    assert [r["token_ids"] for r in results] == want
+    assert results[0]["cached_tokens"] == len(prompts[0]) - 1
+    assert results[1]["cached_tokens"] >= len(shared)
+    redis_stats = stats["stats"]["cache"]["tiers"]["redis"]
+    assert redis_stats["hits"] > 0 and redis_stats["errors"] == 0
+
+
 def test_redis_killed_mid_run_never_fails_or_stalls(
     tiny_llama_dir: Path, redis_server_factory: Any
 ) -> None:

@@ -65,7 +65,9 @@ def build_prefix_cache(
     if config.redis_url:
         from pagedkv.storage.redis import RedisStore
 
-        tiers.append(RedisStore(config.redis_url, namespace, secret=secret))
+        tiers.append(
+            RedisStore(config.redis_url, namespace, secret=secret, cluster=config.redis_cluster)
+        )
     seed = resolve_seed(config.hash_seed, tiers, secret)
     hasher = BlockHasher(config.block_size, namespace, config.hash_algorithm, seed)
     max_blocks = usable + 1  # block 0 is the pool's null block

@@ -1,5 +1,6 @@
 """What the Redis tier checks about the server it is given: authentication, the
-eviction policy, and whether the hashing seed it keeps is the one in use."""
+eviction policy, a cluster used as a single server, and whether the hashing seed
+it keeps is the one in use."""
 
 from __future__ import annotations
 
@@ -32,22 +33,50 @@ def warn_if_open(connection_kwargs: Mapping[str, Any], where: str, has_secret: b
     return True
 
 
-def check_policy(client: redis.Redis, where: str) -> int | None:
-    """The server's maxmemory (0: none), warning once when its policy would fill it;
-    None when CONFIG cannot be read (unreachable, or forbidden on managed Redis)."""
+def warn_if_cluster(client: Any, where: str, cluster: bool) -> None:
+    """Warn when a plain client was pointed at a cluster node: every read of several
+    blocks would then fail (CROSSSLOT) and the tier would only back off."""
+    if cluster:
+        return
     try:
-        raw = cast("dict[Any, Any]", client.config_get("maxmemory*"))
-    except (redis.RedisError, OSError):
-        return None
-    config = {_text(k): _text(v) for k, v in raw.items()}  # str or bytes by version
-    policy = config.get("maxmemory-policy", "")
-    if policy and not policy.startswith("allkeys-"):
+        enabled = client.info("cluster").get("cluster_enabled")
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError):
+        return
+    if enabled:
         log.warning(
-            "Redis at %s runs maxmemory-policy %s; pagedkv needs an allkeys-* policy "
-            "(allkeys-lru) or the cache fills Redis and writes fail",
-            where, policy,
-        )  # fmt: skip
-    return int(config.get("maxmemory") or 0)
+            "Redis at %s is a node of a Redis Cluster, used here as a single server: "
+            "reads of several blocks fail across hash slots. Pass --redis-cluster "
+            "(PAGEDKV_REDIS_CLUSTER=1, CacheConfig.redis_cluster=True)",
+            where,
+        )
+
+
+def check_policy(client: Any, where: str) -> int | None:
+    """The server's maxmemory (0: none; on a cluster, the sum over its primaries),
+    warning once when a policy would fill it; None when CONFIG cannot be read
+    (unreachable, or forbidden on managed Redis)."""
+    try:
+        if isinstance(client, redis.RedisCluster):
+            answers = client.config_get("maxmemory*", target_nodes=redis.RedisCluster.PRIMARIES)
+            raws = cast("list[dict[Any, Any]]", list(answers.values()))  # one per primary
+        else:
+            raws = [client.config_get("maxmemory*")]
+    except (redis.RedisError, redis.exceptions.RedisClusterException, OSError):
+        return None
+    capacity = 0
+    warned = False
+    for raw in raws:
+        config = {_text(k): _text(v) for k, v in raw.items()}  # str or bytes by version
+        policy = config.get("maxmemory-policy", "")
+        if policy and not policy.startswith("allkeys-") and not warned:
+            log.warning(
+                "Redis at %s runs maxmemory-policy %s; pagedkv needs an allkeys-* policy "
+                "(allkeys-lru) or the cache fills Redis and writes fail",
+                where, policy,
+            )  # fmt: skip
+            warned = True
+        capacity += int(config.get("maxmemory") or 0)
+    return capacity
 
 
 class SeedWatch:
@@ -64,7 +93,7 @@ class SeedWatch:
         self.in_use: bytes | None = None
         self.mismatch = False
 
-    def check(self, client: redis.Redis) -> bool:
+    def check(self, client: Any) -> bool:
         """True when Redis keeps another seed than `in_use`; Redis errors propagate."""
         if self.in_use is None:
             return False

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import redis
 
 from pagedkv.storage.base import BlockMeta
 
@@ -31,14 +30,12 @@ return score
 """
 
 
-class AddChild:
-    """Adds a member to a children set as its newest, trimming the set; one script call."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self._script = client.register_script(_ADD_CHILD)
-
-    def __call__(self, pipe: Any, zkey: str, member: bytes) -> None:
-        self._script(keys=[zkey], args=[member, MAX_CHILDREN], client=pipe)
+def add_child(pipe: Any, zkey: str, member: bytes) -> None:
+    """Queue on `pipe` the addition of `member` to a children set as its newest, with
+    the trim. EVAL with the script's text, not EVALSHA: a cluster pipeline cannot
+    load a script on the shards first, and the text (~250 bytes) is little next to
+    the block's frame, which the same pipeline carries."""
+    pipe.execute_command("EVAL", _ADD_CHILD, 1, zkey, member, MAX_CHILDREN)
 
 
 def child_member(meta: BlockMeta) -> bytes:

@@ -6,6 +6,12 @@ versions share a Redis during a rolling upgrade without deleting each other's
 values. `pagedkv:seed` holds the hashing seed shared by engines without a cache
 secret (with one, the seed is derived from it and never stored).
 
+On a Redis Cluster (`cluster=True`) the same keys spread over the shards by
+their hash slots. No operation needs two keys on one shard: a block's metadata
+travels inside its own value, lookups read many blocks with one MGET per slot
+(pipelined per node), and the children script touches its one key. So no key
+carries a hash tag, and a namespace's blocks spread evenly.
+
 Children index (partial-tail lookup): a sorted set `<prefix>children:<parent hex>`
 (`children.py`), trimmed to the newest `MAX_CHILDREN` on every write. Redis
 evicts keys one by one, so a member may name a value that is gone: `children()`
@@ -26,12 +32,19 @@ from typing import Any, TypeVar, cast
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import parse_url
 from redis.retry import Retry
 
 from pagedkv.storage.base import BlockMeta, KVBlock, KVTier, TierStats
 from pagedkv.storage.redis.breaker import Breaker
-from pagedkv.storage.redis.checks import SEED_KEY, SeedWatch, check_policy, warn_if_open
-from pagedkv.storage.redis.children import MAX_CHILDREN, AddChild, child_member, parse_member
+from pagedkv.storage.redis.checks import (
+    SEED_KEY,
+    SeedWatch,
+    check_policy,
+    warn_if_cluster,
+    warn_if_open,
+)
+from pagedkv.storage.redis.children import MAX_CHILDREN, add_child, child_member, parse_member
 from pagedkv.storage.redis.format import MAC_FAILED, VERSION, check_frame, encode_frame
 from pagedkv.storage.redis.writer import WriteQueue
 from pagedkv.storage.secret import CacheSecret
@@ -43,8 +56,14 @@ __all__ = ["MAX_CHILDREN", "SEED_KEY", "RedisStore"]
 WRITE_TIMEOUT_S = 5.0
 # redis-py wraps socket failures in ConnectionError/TimeoutError; OSError covers
 # what slips through (TLS handshakes). Any RedisError is treated as an outage:
-# AuthenticationError and a loading server must back off like a dead one.
-_FAILURES: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+# AuthenticationError and a loading server must back off like a dead one. A
+# cluster's own failures (no node reachable, a slot no node serves) are not
+# RedisErrors.
+_FAILURES: tuple[type[BaseException], ...] = (
+    redis.RedisError,
+    redis.exceptions.RedisClusterException,
+    OSError,
+)
 _T = TypeVar("_T")
 
 
@@ -95,6 +114,7 @@ class RedisStore(KVTier):
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         secret: CacheSecret | None = None,
+        cluster: bool = False,
     ) -> None:
         if ":" in namespace:
             raise ValueError(
@@ -102,25 +122,16 @@ class RedisStore(KVTier):
                 "overlap; use the model fingerprint (hex)"
             )
         self.namespace = namespace
-        self.client = redis.Redis.from_url(
-            url,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
-        # The writer has its own connection and a longer timeout: a pipeline of
-        # large SETs may take Redis longer than a lookup is allowed to wait, and
-        # sharing one short timeout made healthy writes trip the breaker.
-        self._write_client = redis.Redis.from_url(
-            url,
-            socket_timeout=max(socket_timeout, WRITE_TIMEOUT_S),
-            socket_connect_timeout=socket_timeout,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
-        kwargs = self.client.connection_pool.connection_kwargs
-        self._where = f"{kwargs.get('host', kwargs.get('path', '?'))}:{kwargs.get('port', '')}"
+        self.cluster = cluster
+        self._url = url
+        self._timeouts = (socket_timeout, max(socket_timeout, WRITE_TIMEOUT_S))
+        self._clients: tuple[Any, Any] | None = None
+        self._connect_lock = threading.Lock()
+        if not cluster:
+            self._connect()  # a plain client connects on its first command, not here
+        kwargs = parse_url(url)
+        where = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', 6379)}"
+        self._where = ("cluster " if cluster else "") + where
         self._prefix = f"pagedkv:{namespace}:v{VERSION}:"
         self._breaker = Breaker(backoff_initial_s, backoff_max_s)
         self._stats = TierStats(name=self.name)
@@ -131,13 +142,45 @@ class RedisStore(KVTier):
         self._seed_watch = SeedWatch(self._where)
         self.secret = secret
         self.open_warning = warn_if_open(kwargs, self._where, secret is not None)
-        self._add_child = AddChild(self._write_client)
         self._writes = WriteQueue(
             write_queue_bytes,
             self._write,
             self._check_server,
             lambda n: self._count(writes_dropped=n),
         )
+
+    # -- clients ----------------------------------------------------------
+
+    def _connect(self) -> tuple[Any, Any]:
+        """The lookup and write clients, made on first use. A cluster client reads
+        the cluster's slot map when made, so it is made inside a call through the
+        breaker: a cluster that is down at start-up costs misses, not the engine.
+        The writer has its own connection and a longer timeout: a pipeline of large
+        SETs may take Redis longer than a lookup is allowed to wait, and sharing one
+        short timeout made healthy writes trip the breaker."""
+        with self._connect_lock:
+            if self._clients is None:
+                make = redis.RedisCluster.from_url if self.cluster else redis.Redis.from_url
+                lookup_s, write_s = self._timeouts
+                common: dict[str, Any] = {
+                    "socket_connect_timeout": lookup_s,
+                    "retry": Retry(NoBackoff(), 0),
+                }
+                if not self.cluster:
+                    common["health_check_interval"] = 0
+                self._clients = (
+                    make(self._url, socket_timeout=lookup_s, **common),
+                    make(self._url, socket_timeout=write_s, **common),
+                )
+            return self._clients
+
+    @property
+    def client(self) -> Any:
+        return self._connect()[0]
+
+    @property
+    def _write_client(self) -> Any:
+        return self._connect()[1]
 
     # -- keys -------------------------------------------------------------
 
@@ -208,7 +251,7 @@ class RedisStore(KVTier):
         if not hashes:
             return []
         keys = [self._key(h) for h in hashes]
-        ok, values = self._call(lambda: cast("list[bytes | None]", self.client.mget(keys)))
+        ok, values = self._call(lambda: cast("list[bytes | None]", self._mget(keys)))
         if not ok or values is None:
             self._count(misses=len(hashes))
             return [None] * len(hashes)
@@ -246,6 +289,10 @@ class RedisStore(KVTier):
             )  # fmt: skip
             self._call(lambda: self.client.delete(*bad))
         return out
+
+    def _mget(self, keys: list[str]) -> list[Any]:
+        client = self.client
+        return client.mget_nonatomic(keys) if self.cluster else client.mget(keys)
 
     def put(self, blocks: Sequence[KVBlock]) -> None:
         if self._breaker.is_open() or self._writes.closing:
@@ -361,8 +408,10 @@ class RedisStore(KVTier):
     def close(self) -> None:
         self.flush(timeout=2.0)
         self._count(writes_dropped=self._writes.close())
-        self.client.close()
-        self._write_client.close()
+        with self._connect_lock:
+            clients, self._clients = self._clients, None
+        for client in clients or ():
+            client.close()
 
     # -- on the writer thread -------------------------------------------------
 
@@ -384,7 +433,7 @@ class RedisStore(KVTier):
             for block, frame in zip(batch, frames, strict=True):
                 meta = block.meta
                 pipe.set(self._key(meta.block_hash), frame)
-                self._add_child(pipe, self._children_key(meta.parent_key), child_member(meta))
+                add_child(pipe, self._children_key(meta.parent_key), child_member(meta))
             if self._seed is not None and self.secret is None:
                 pipe.set(SEED_KEY, self._seed, nx=True)
             return pipe.execute(raise_on_error=False)
@@ -406,7 +455,12 @@ class RedisStore(KVTier):
             log.warning("Redis tier: server refused %d write(s): %s", refused, error)
 
     def _check_server(self) -> None:
-        capacity = check_policy(self.client, self._where)
+        try:
+            client = self.client
+        except _FAILURES:
+            return  # a cluster not reachable yet: its first call backs off as usual
+        warn_if_cluster(client, self._where, self.cluster)
+        capacity = check_policy(client, self._where)
         if capacity is not None:
             with self._stats_lock:
                 self._stats.capacity_bytes = capacity
