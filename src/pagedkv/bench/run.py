@@ -79,9 +79,8 @@ def main(args: argparse.Namespace) -> int:
 
 def run_local(args: argparse.Namespace, names: Sequence[str], size: str) -> list[dict[str, Any]]:
     from pagedkv.flags import cache_config_from_args, scheduler_config_from_args
-    from pagedkv.model import load_model
 
-    adapter = load_model(args.model, device=args.device, dtype=args.dtype)
+    adapter = _load_on_a_passing_thread(args)
     base = cache_config_from_args(args)
     adapter.set_kv_dtype(base.kv_dtype)  # so kv_bytes_per_token below sizes the RAM tier
     parent: Path | None = None
@@ -109,6 +108,28 @@ def run_local(args: argparse.Namespace, names: Sequence[str], size: str) -> list
                 )
             )
     return results
+
+
+def _load_on_a_passing_thread(args: argparse.Namespace) -> Any:
+    """Load the model on a thread that then ends, taking its OpenMP team with it:
+    the engines' workers stay the only threads that compute, as under `pagedkv
+    serve` (docs/architecture.md, "One thread computes")."""
+    from pagedkv.model import load_model
+
+    out: list[Any] = []
+
+    def load() -> None:
+        try:
+            out.append(load_model(args.model, device=args.device, dtype=args.dtype))
+        except BaseException as exc:  # raised on the caller's thread below
+            out.append(exc)
+
+    thread = threading.Thread(target=load, name="pagedkv-load")
+    thread.start()
+    thread.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 def run_workload(

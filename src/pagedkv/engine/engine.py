@@ -49,39 +49,41 @@ class Engine:
 
     def __init__(
         self,
-        adapter: ModelAdapter,
+        adapter: ModelAdapter | Callable[[], ModelAdapter],
         config: CacheConfig | None = None,
         max_queue: int = 64,
         scheduling: SchedulerConfig | None = None,
     ) -> None:
-        self.adapter = adapter
+        """`adapter` is a loaded model, or a function that loads one (as
+        `from_pretrained` passes): then the model loads on the worker thread.
+
+        Everything that computes with torch happens on the worker thread: loading
+        (when given a loader), building the cache, the warm-up and every forward.
+        Each thread that runs an OpenMP operation keeps a team of OpenMP threads
+        for the life of the process, and with two teams on this project's 2 cores
+        libgomp stops spin-waiting between parallel regions, which was measured to
+        slow the worker's batched forwards (docs/architecture.md, "One thread
+        computes")."""
         self.config = config or CacheConfig()
         self.max_queue = max_queue
         self.scheduling = scheduling or SchedulerConfig()
         self.caching_off_reason: str | None = None
-        # Before any buffer exists, with caching on or off: the same rounding either way.
-        adapter.set_kv_dtype(self.config.kv_dtype)
-        self.prefix: PrefixCache | None = self._build_prefix_cache()
-        budget = self.config.kv_budget_bytes
-        self.kv_budget_bytes = default_kv_budget_bytes() if budget is None else budget
-        scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // adapter.kv_bytes_per_token)
-        self._worker = Worker(adapter, self.prefix, scheduler, self._request_done)
+        self.prefix: PrefixCache | None = None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._pending = 0
         self._lock = threading.Lock()
         self._closed = False
         self._dead: BaseException | None = None
         self._counters = RequestCounters()
-        self._thread = threading.Thread(target=self._loop, name="pagedkv-worker", daemon=True)
+        ready: queue.Queue[BaseException | None] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._loop, args=(adapter, ready), name="pagedkv-worker", daemon=True
+        )
         self._thread.start()
-        # On the worker thread, like every forward: the first one in a thread is slow,
-        # and a second thread running OpenMP forwards (this one) would slow every
-        # later forward of the worker by ~30% for the life of the process.
-        self._call(adapter.warmup)
-        if self.scheduling.deterministic and adapter.batched:
-            set_flipping(adapter.model, False)
-            self._worker.rows = self._call(lambda: DeterministicRows(linear_layers(adapter.model)))
-            log.info("deterministic batches: row counts %s", self._worker.rows.stable)
+        failure = ready.get()
+        if failure is not None:
+            self._thread.join()
+            raise failure
 
     @classmethod
     def from_pretrained(
@@ -93,7 +95,31 @@ class Engine:
         max_queue: int = 64,
         scheduling: SchedulerConfig | None = None,
     ) -> Engine:
-        return cls(load_model(model, device=device, dtype=dtype), config, max_queue, scheduling)
+        """Load `model` (the bundled model's name or a local directory) on the worker thread."""
+
+        def load() -> ModelAdapter:
+            return load_model(model, device=device, dtype=dtype)
+
+        return cls(load, config, max_queue, scheduling)
+
+    def _set_up(self, adapter: ModelAdapter | Callable[[], ModelAdapter]) -> None:
+        """On the worker thread: load, build the cache, the scheduler and the worker, warm up."""
+        if not isinstance(adapter, ModelAdapter):
+            adapter = adapter()
+        self.adapter = adapter
+        # Before any buffer exists, with caching on or off: the same rounding either way.
+        adapter.set_kv_dtype(self.config.kv_dtype)
+        self.prefix = self._build_prefix_cache()
+        budget = self.config.kv_budget_bytes
+        self.kv_budget_bytes = default_kv_budget_bytes() if budget is None else budget
+        scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // adapter.kv_bytes_per_token)
+        self._worker = Worker(adapter, self.prefix, scheduler, self._request_done)
+        # The first forward in a thread is slow: pay it here, not in the first request.
+        adapter.warmup()
+        if self.scheduling.deterministic and adapter.batched:
+            set_flipping(adapter.model, False)
+            self._worker.rows = DeterministicRows(linear_layers(adapter.model))
+            log.info("deterministic batches: row counts %s", self._worker.rows.stable)
 
     def _build_prefix_cache(self) -> PrefixCache | None:
         adapter, config = self.adapter, self.config
@@ -347,7 +373,19 @@ class Engine:
 
     # -- worker side --------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _loop(
+        self,
+        adapter: ModelAdapter | Callable[[], ModelAdapter],
+        ready: queue.Queue[BaseException | None],
+    ) -> None:
+        try:
+            self._set_up(adapter)
+        except BaseException as exc:  # handed to the constructor, which raises it
+            if self.prefix is not None:
+                self.prefix.close(5.0)
+            ready.put(exc)
+            return
+        ready.put(None)
         try:
             self._serve()
         except BaseException as exc:  # a bug: end every caller rather than hang them
