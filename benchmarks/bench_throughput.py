@@ -20,6 +20,20 @@ while 7 streams decode, against the same request on the idle server.
 checkout's `src/` instead (a worktree of an older commit, say): run the two
 one after the other to compare them. Only one server runs at a time: a second,
 idle server's threads were seen to slow the measured one.
+
+`--peer-cmd CMD` measures another OpenAI-compatible server in the same run,
+after pagedkv: CMD starts it on `{port}` and must answer `GET /health`;
+`--peer-model` is the `model` its requests name. A peer gets no `ignore_eos`,
+so its tokens are counted from the usage of each stream (`stream_options`),
+and its rounds are rated by the tokens it really generated. For transformers'
+own server, which needs `accelerate` (`pip install --target DIR --no-deps
+accelerate`), on one command line:
+
+    --peer-name "transformers serve"
+    --peer-model ~/.cache/pagedkv/models/smollm2-135m
+    --peer-cmd "env PYTHONPATH=DIR HF_HUB_OFFLINE=1 .venv/bin/transformers serve
+        --continuous-batching --host 127.0.0.1 --port {port}
+        ~/.cache/pagedkv/models/smollm2-135m"
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -80,16 +95,29 @@ class Server:
     name: str
     proc: subprocess.Popen[bytes]
     url: str
+    body: dict[str, object]  # what every request adds: `ignore_eos` for pagedkv, a peer's model
     seeds: list[int] = field(default_factory=list)
 
 
-def start_server(name: str, src: str | None, extra: list[str]) -> Server:
+def start_pagedkv(name: str, src: str | None, extra: list[str]) -> Server:
     port = free_port()
     env = os.environ.copy()
     if src:
         env["PYTHONPATH"] = src
     cmd = [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port)]
     cmd += ["--no-ssd-cache", "--log-level", "warning", *extra]
+    return wait_for(name, cmd, env, port, {"ignore_eos": True})
+
+
+def start_peer(name: str, command: str, model: str | None) -> Server:
+    port = free_port()
+    cmd = [os.path.expanduser(a) for a in shlex.split(command.format(port=port))]
+    return wait_for(name, cmd, os.environ.copy(), port, {"model": model} if model else {})
+
+
+def wait_for(
+    name: str, cmd: list[str], env: dict[str, str], port: int, body: dict[str, object]
+) -> Server:
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -102,30 +130,37 @@ def start_server(name: str, src: str | None, extra: list[str]) -> Server:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"server {name} did not start")
         time.sleep(0.5)
-    return Server(name, proc, url)
+    return Server(name, proc, url, body)
 
 
 @dataclass
 class Stream:
     ttft: float = 0.0
     stamps: list[float] = field(default_factory=list)
+    tokens: int = 0  # generated, from the usage the server reports
 
 
-def stream_one(url: str, text: str, tokens: int, out: Stream, start: threading.Barrier) -> None:
+def stream_one(
+    server: Server, text: str, tokens: int, out: Stream, start: threading.Barrier
+) -> None:
     body = {
         "prompt": text,
         "max_tokens": tokens,
         "temperature": 0,
         "stream": True,
-        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **server.body,
     }
     start.wait()
     t0 = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                out.tokens = int(chunk["usage"]["completion_tokens"])
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 now = time.perf_counter()
                 if not out.stamps:
@@ -139,7 +174,7 @@ def round_of(server: Server, n: int, tokens: int, words: int) -> tuple[float, li
     barrier = threading.Barrier(n + 1)
     texts = [prompt_text(_next_seed(server), words) for _ in range(n)]
     threads = [
-        threading.Thread(target=stream_one, args=(server.url, t, tokens, s, barrier))
+        threading.Thread(target=stream_one, args=(server, t, tokens, s, barrier))
         for t, s in zip(texts, streams, strict=True)
     ]
     for t in threads:
@@ -164,7 +199,7 @@ def newcomer_ttft(server: Server, busy: int, words: int = 220) -> float:
     threads = [
         threading.Thread(
             target=stream_one,
-            args=(server.url, prompt_text(_next_seed(server), 40), 400, s, barrier),
+            args=(server, prompt_text(_next_seed(server), 40), 400, s, barrier),
         )
         for s in background
     ]
@@ -175,7 +210,7 @@ def newcomer_ttft(server: Server, busy: int, words: int = 220) -> float:
         while any(len(s.stamps) < 5 for s in background):  # every stream is decoding
             time.sleep(0.01)
     probe = Stream()
-    stream_one(server.url, prompt_text(_next_seed(server), words), 2, probe, threading.Barrier(1))
+    stream_one(server, prompt_text(_next_seed(server), words), 2, probe, threading.Barrier(1))
     for t in threads:
         t.join()
     return probe.ttft
@@ -184,6 +219,60 @@ def newcomer_ttft(server: Server, busy: int, words: int = 220) -> float:
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+Rows = dict[int, dict[str, float]]
+
+
+def measure(
+    server: Server, args: argparse.Namespace, counts: list[int]
+) -> tuple[Rows, tuple[float, float]]:
+    """Per stream count: tokens/s (median over rounds), TTFT, ITL; then the newcomer's TTFT."""
+    try:
+        round_of(server, 2, 4, args.prompt_words)  # warm up: first forwards of each shape
+        rows: Rows = {}
+        for n in counts:
+            rates, got = [], []
+            for _ in range(args.rounds):
+                wall, streams = round_of(server, n, args.tokens, args.prompt_words)
+                if any(not s.tokens for s in streams):
+                    raise RuntimeError(f"{server.name} reported no usage for a stream")
+                rates.append(sum(s.tokens for s in streams) / wall)
+                got += streams
+            gaps = [b - a for s in got for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
+            rows[n] = {
+                "tok_s": statistics.median(rates),
+                "ttft_p50": pct([s.ttft for s in got], 0.5),
+                "ttft_p90": pct([s.ttft for s in got], 0.9),
+                "itl_p50": statistics.median(gaps) if gaps else float("nan"),
+                "tokens": statistics.mean(s.tokens for s in got),
+            }
+        idle = [newcomer_ttft(server, 0) for _ in range(args.newcomer_runs)]
+        loaded = [newcomer_ttft(server, 7) for _ in range(args.newcomer_runs)]
+        return rows, (statistics.median(idle), statistics.median(loaded))
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(60)
+
+
+def report(name: str, rows: Rows, newcomer: tuple[float, float], counts: list[int]) -> None:
+    one = rows[counts[0]]
+    print(f"\n{name}")
+    print(f"{'streams':>7} {'tok/s':>7} {'x 1st':>6} {'TTFT p50':>9} {'TTFT p90':>9} "
+          f"{'ITL p50':>8} {'x 1st':>6} {'tokens':>7}")  # fmt: skip
+    for n in counts:
+        r = rows[n]
+        print(
+            f"{n:>7} {r['tok_s']:>7.1f} {r['tok_s'] / one['tok_s']:>6.2f} "
+            f"{r['ttft_p50'] * 1000:>7.0f}ms {r['ttft_p90'] * 1000:>7.0f}ms "
+            f"{r['itl_p50'] * 1000:>6.0f}ms {r['itl_p50'] / one['itl_p50']:>6.2f} "
+            f"{r['tokens']:>7.1f}"
+        )
+    idle, loaded = newcomer
+    print(
+        f"new 300-token request: TTFT {idle * 1000:.0f} ms idle, {loaded * 1000:.0f} ms "
+        f"while 7 streams decode ({loaded / idle:.2f}x)"
+    )
 
 
 def main() -> int:
@@ -195,57 +284,32 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=40)
     ap.add_argument("--src", default=None, help="serve another checkout's src/ instead")
     ap.add_argument("--newcomer-runs", type=int, default=3)
+    ap.add_argument("--peer-cmd", default=None, help="start a peer server on {port}")
+    ap.add_argument("--peer-model", default=None, help="the model field of the peer's requests")
+    ap.add_argument("--peer-name", default="peer")
     args = ap.parse_args()
+    if args.newcomer_runs < 1:
+        ap.error("--newcomer-runs must be at least 1")
     counts = [int(c) for c in args.streams.split(",")]
     extra = ["--deterministic"] if args.deterministic else []
     src = str(Path(args.src).resolve()) if args.src else None
-    server = start_server(args.src or "pagedkv", src, extra)
-    servers = [server]
-    try:
-        round_of(server, 2, 4, args.prompt_words)  # warm up: first forwards of each shape
-        table: dict[str, dict[int, dict[str, float]]] = {server.name: {}}
-        for n in counts:
-            walls, got = [], []
-            for _ in range(args.rounds):
-                wall, streams = round_of(server, n, args.tokens, args.prompt_words)
-                walls.append(wall)
-                got += streams
-            gaps = [b - a for s in got for a, b in zip(s.stamps, s.stamps[1:], strict=False)]
-            table[server.name][n] = {
-                "tok_s": n * args.tokens / statistics.median(walls),
-                "ttft_p50": pct([s.ttft for s in got], 0.5),
-                "ttft_p90": pct([s.ttft for s in got], 0.9),
-                "itl_p50": statistics.median(gaps) if gaps else float("nan"),
-            }
-        idle = [newcomer_ttft(server, 0) for _ in range(args.newcomer_runs)]
-        loaded = [newcomer_ttft(server, 7) for _ in range(args.newcomer_runs)]
-        newcomer = {server.name: (statistics.median(idle), statistics.median(loaded))}
-    finally:
-        server.proc.send_signal(signal.SIGTERM)
-        server.proc.wait(60)
+    name = args.src or "pagedkv"
+    results = {name: measure(start_pagedkv(name, src, extra), args, counts)}
+    if args.peer_cmd:
+        peer = start_peer(args.peer_name, args.peer_cmd, args.peer_model)
+        results[args.peer_name] = measure(peer, args, counts)
     mode = " (--deterministic)" if args.deterministic else ""
     print(
         f"bundled model, {args.prompt_words}-word prompts, {args.tokens} tokens per stream, "
-        f"median of {args.rounds} rounds{mode}"
+        f"median of {args.rounds} rounds{mode}; tokens: the mean a stream generated"
     )
-    for server in servers:
-        rows = table[server.name]
-        one = rows[counts[0]]
-        print(f"\n{server.name}")
-        print(f"{'streams':>7} {'tok/s':>7} {'x 1st':>6} {'TTFT p50':>9} {'TTFT p90':>9} "
-              f"{'ITL p50':>8} {'x 1st':>6}")  # fmt: skip
-        for n in counts:
-            r = rows[n]
-            print(
-                f"{n:>7} {r['tok_s']:>7.1f} {r['tok_s'] / one['tok_s']:>6.2f} "
-                f"{r['ttft_p50'] * 1000:>7.0f}ms {r['ttft_p90'] * 1000:>7.0f}ms "
-                f"{r['itl_p50'] * 1000:>6.0f}ms {r['itl_p50'] / one['itl_p50']:>6.2f}"
-            )
-        idle, loaded = newcomer[server.name]
-        print(
-            f"new 300-token request: TTFT {idle * 1000:.0f} ms idle, {loaded * 1000:.0f} ms "
-            f"while 7 streams decode ({loaded / idle:.2f}x)"
-        )
+    for server_name, (rows, newcomer) in results.items():
+        report(server_name, rows, newcomer, counts)
+    if args.peer_cmd:
+        ours = results[name][0]
+        theirs = results[args.peer_name][0]
+        ratios = "  ".join(f"{n}: {ours[n]['tok_s'] / theirs[n]['tok_s']:.2f}x" for n in counts)
+        print(f"\n{name} tokens/s against {args.peer_name}, per stream count: {ratios}")
     return 0
 
 
