@@ -381,9 +381,9 @@ class Engine:
         try:
             self._set_up(adapter)
         except BaseException as exc:  # handed to the constructor, which raises it
+            ready.put(exc)  # first: a close that fails too must not leave it waiting
             if self.prefix is not None:
-                self.prefix.close(5.0)
-            ready.put(exc)
+                self.prefix.close(5.0)  # before the constructor raises: it joins this thread
             return
         ready.put(None)
         try:
