@@ -4,6 +4,7 @@ block is held, the pool checks, the worker lives and the threads are back."""
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 import socket
@@ -127,6 +128,7 @@ def test_soak_leaves_nothing_held(served: tuple[str, Engine, list[Flaky]]) -> No
     reads = engine.prefix.lower.tiers[0].read_threads  # type: ignore[attr-defined]
     started = sum(t.name.startswith("pagedkv-ssd-read") for t in threading.enumerate())
     threads_before = threading.active_count() + reads - started
+    names_before = collections.Counter(t.name for t in threading.enumerate())
     with ThreadPoolExecutor(12) as pool:
         outcomes = list(pool.map(lambda i: _one(url, i), range(REQUESTS)))
     assert all(o in ("200", "disconnected") for o in outcomes), set(outcomes)
@@ -150,5 +152,6 @@ def test_soak_leaves_nothing_held(served: tuple[str, Engine, list[Flaky]]) -> No
     deadline = time.monotonic() + 20  # idle AnyIO workers leave after 10 s
     while threading.active_count() > threads_before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert threading.active_count() <= threads_before, [t.name for t in threading.enumerate()]
+    alive = collections.Counter(t.name for t in threading.enumerate())
+    assert threading.active_count() <= threads_before, f"new, still alive: {alive - names_before}"
     assert process.num_threads() < 200
