@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -116,20 +117,8 @@ def _load_on_a_passing_thread(args: argparse.Namespace) -> Any:
     serve` (docs/architecture.md, "One thread computes")."""
     from pagedkv.model import load_model
 
-    out: list[Any] = []
-
-    def load() -> None:
-        try:
-            out.append(load_model(args.model, device=args.device, dtype=args.dtype))
-        except BaseException as exc:  # raised on the caller's thread below
-            out.append(exc)
-
-    thread = threading.Thread(target=load, name="pagedkv-load")
-    thread.start()
-    thread.join()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="pagedkv-load") as pool:  # joined on exit
+        return pool.submit(load_model, args.model, device=args.device, dtype=args.dtype).result()
 
 
 def run_workload(
