@@ -149,7 +149,13 @@ def test_soak_leaves_nothing_held(served: tuple[str, Engine, list[Flaky]]) -> No
         body = {"prompt": "after the soak", "max_tokens": 5, "temperature": 0}
         assert http.post("/v1/completions", json=body).status_code == 200
         assert http.get("/health").status_code == 200
-    deadline = time.monotonic() + 20  # idle AnyIO workers leave after 10 s
+    # AnyIO's idle workers do not leave by themselves: the next job sent to the pool
+    # stops those idle for 10 s or more. So wait past that, send one (/health runs in
+    # the pool), and give the stopped workers time to end.
+    time.sleep(10.5)
+    with httpx.Client(base_url=url, timeout=60) as http:
+        assert http.get("/health").status_code == 200
+    deadline = time.monotonic() + 20
     while threading.active_count() > threads_before and time.monotonic() < deadline:
         time.sleep(0.1)
     alive = collections.Counter(t.name for t in threading.enumerate())
