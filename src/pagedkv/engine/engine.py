@@ -29,7 +29,6 @@ from pagedkv.errors import (
 )
 from pagedkv.model import ModelAdapter, load_model
 from pagedkv.model.batch import DeterministicRows, linear_layers
-from pagedkv.model.linear import set_flipping
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +116,6 @@ class Engine:
         # The first forward in a thread is slow: pay it here, not in the first request.
         adapter.warmup()
         if self.scheduling.deterministic and adapter.batched:
-            set_flipping(adapter.model, False)
             self._worker.rows = DeterministicRows(linear_layers(adapter.model))
             log.info("deterministic batches: row counts %s", self._worker.rows.stable)
 

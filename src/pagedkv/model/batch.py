@@ -21,9 +21,9 @@ order, whatever the chunk it arrived in and whatever else is in the batch, so
 a sequence's KV does not depend on how its prefill was cut. Keys are always
 passed from a position that is a multiple of `_KEY_ALIGN` (0 for full
 attention), so the kernel's key blocks fall on the same absolute positions
-whatever the chunking. The linear layers are another matter: their rows do
-depend on the number of rows on these CPUs for a few small counts (see
-`DeterministicRows`).
+whatever the chunking. The linear layers are another matter: a row may
+depend on the number of rows for a few small counts (one row alone, over the
+packed layers of `model/linear.py`; see `DeterministicRows`).
 """
 
 from __future__ import annotations
@@ -331,9 +331,10 @@ class DeterministicRows:
     any other number of rows, and the padding that reaches one.
 
     On these CPUs a matrix product's rows are bit-identical whatever the number
-    of rows for most counts, but not for a few small ones (there, BLAS takes
-    other kernels: measured, 1-3, 5-7 and 9-11 rows differ from 4, 8 and 12 or
-    more). A batch padded to a stable count computes each sequence's rows as
+    of rows for most counts, but not for a few small ones, where the library
+    takes other kernels (measured: over packed oneDNN weights one row alone
+    differs in some shapes; through MKL's `F.linear`, 1-3, 5-7 and 9-11 rows
+    differ from 4, 8 and 12 or more). A batch padded to a stable count computes each sequence's rows as
     they would be computed in any other stable batch, so a request's output no
     longer depends on what else runs. The stable counts are measured here, on
     the model's own weight shapes, once at start-up; counts above `probe_rows`

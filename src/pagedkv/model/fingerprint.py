@@ -135,7 +135,8 @@ def _state_dict_digest(model: Any) -> str:
 
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().to("cpu").contiguous()
+        t = tensor.detach().to("cpu")
+        t = (t.to_dense() if t.is_mkldnn else t).contiguous()  # packed linear weights
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\0".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()

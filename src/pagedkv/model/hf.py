@@ -28,7 +28,7 @@ from pagedkv.model.fingerprint import config_identity, weights_digest
 from pagedkv.model.kinds import LayerKinds, read_layer_kinds
 from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.kv_layer import GrowableLayer
-from pagedkv.model.linear import tune_linears
+from pagedkv.model.linear import KERNEL, pack_linears
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
 
 logger = logging.getLogger(__name__)
@@ -133,13 +133,8 @@ class ModelAdapter:
         self._identity: str | None = None
         self.unbatched_reason: str | None = self._use_ragged_attention(params)
         self.batched: bool = self.unbatched_reason is None
-        if self.batched:
-            flips = tune_linears(model)
-            logger.info(
-                "linear layers flipped for few rows: %d of %d shapes",
-                sum(flips.values()),
-                len(flips),
-            )
+        self.packed_linears: int = pack_linears(model)
+        logger.info("linear layers packed for oneDNN: %d", self.packed_linears)
 
     # ---- identity -------------------------------------------------------
 
@@ -161,8 +156,9 @@ class ModelAdapter:
 
     def fingerprint(self, block_size: int) -> str:
         """Namespace of this model's KV blocks: a hex digest of the config
-        (path-like fields dropped), the weights' content, dtype, KV layout version and
-        block size. Never the path: a moved or copied model keeps its cache."""
+        (path-like fields dropped), the weights' content, dtype, KV layout version, the
+        linear layers' kernel and block size. Never the path: a moved or copied model
+        keeps its cache."""
         if self._identity is None:
             self._identity = json.dumps(
                 {
@@ -170,6 +166,7 @@ class ModelAdapter:
                     "weights": weights_digest(self.model, self.model_dir),
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "kv_layout": KV_LAYOUT_VERSION,
+                    "linear": KERNEL if self.packed_linears else "torch",
                 },
                 sort_keys=True,
             )

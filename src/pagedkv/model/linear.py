@@ -1,90 +1,64 @@
-"""Linear layers that stay fast for the few rows of a decode step.
+"""Linear layers over weights packed for oneDNN.
 
-A decode step over a batch multiplies a handful of rows (one per sequence) by
-every weight matrix. On the CPUs this was measured on (AMD EPYC, MKL 2024),
-`F.linear` is slow at 2-16 rows: 4-8 rows of the bundled model's output layer
-cost 3-4x one row, while the same product written the other way round,
-`(W @ x.T).T`, costs 0.6-1.1x one row. Which way wins depends on the BLAS and
-the CPU, so `tune_linears` times both ways once per weight shape at start-up
-and keeps the flipped product only where it is faster. One row keeps
-`F.linear` (its matrix-vector kernel is already bandwidth-bound), and so do
-prefill chunks.
+Every token of every step goes through the linear layers, so their speed is
+most of a forward's. `F.linear` goes to MKL, which on the CPUs this was
+measured on (AMD EPYC, MKL 2024) reaches ~7 GB/s of weights at 1-16 rows, a
+fifth of what the memory gives (~34 GB/s read), and is slower still at 2-3
+rows. The same products through oneDNN, over weights reordered once into its
+blocked layout (`_reorder_linear_weight`), measured over the bundled model's
+weight shapes: 1.5-1.7x faster at 1 row, 1.8-2.1x at 8 and 16, 1.2-1.3x for a
+512-row prefill chunk.
+
+They also round alike whatever the number of rows: a row comes out bit-identical
+among 2 or 700 rows (one row alone may differ: a matrix-vector kernel), where
+MKL's rows differ at 2-3, 5-7 and 9-11 rows. That is what lets the ragged batch
+keep a sequence's KV independent of what else runs (`DeterministicRows` measures
+it at start-up, on the packed layers).
+
+Packing replaces each weight by its packed copy, so the model's memory does not
+grow, except for an output layer tied to the input embedding: the embedding
+keeps the plain copy it looks tokens up in. Float32 weights on CPU are packed
+when torch has oneDNN; other layers (other dtypes were not measured) keep
+`F.linear`.
 """
 
 from __future__ import annotations
 
-import time
-from typing import cast
-
 import torch
-import torch.nn.functional as F
 
-# Row counts the flipped product may serve; above this a prefill chunk is running.
-MAX_FLIPPED_ROWS = 16
-_PROBE_ROWS = 8
+KERNEL = "onednn-packed"  # in the model's identity: KV computed another way rounds otherwise
+# The row count the packed layout is chosen for: a decode step's few rows. The products
+# of 1 and 512 rows measured as fast over it as over a layout packed for them.
+_PACK_FOR_ROWS = 8
 
 
-class RowLinear(torch.nn.Linear):
-    """An `nn.Linear` whose forward takes the flipped product for 2..16 rows when
-    `flipped` (set by `tune_linears`). Same parameters, same results up to rounding;
-    the rounding of a row then depends on how many rows run with it, so deterministic
-    batching turns flipping off (`set_flipping`)."""
-
-    flipped: bool = False
-    faster_flipped: bool = False
+class PackedLinear(torch.nn.Linear):
+    """An `nn.Linear` whose `weight` is a oneDNN packed tensor (a buffer, not a
+    parameter; `weight.to_dense()` gives the original back exactly)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if self.flipped and 2 <= rows <= MAX_FLIPPED_ROWS:
-            # A row-major copy first: the output of another flipped product (and of
-            # elementwise ops over it) is column-major, and BLAS takes 2-4x longer
-            # over that (down_proj shape, 2 and 8 rows: ~850 vs ~180-420 us).
-            y = (self.weight @ x.reshape(rows, x.shape[-1]).contiguous().t()).t()
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(*x.shape[:-1], self.weight.shape[0])
-        return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def tune_linears(model: torch.nn.Module) -> dict[tuple[int, int], bool]:
-    """Make every `nn.Linear` of `model` a `RowLinear`, flipped for the weight shapes
-    where the flipped product of `_PROBE_ROWS` rows measured faster. Returns the
-    choice per shape `(out_features, in_features)`."""
-    choice: dict[tuple[int, int], bool] = {}
-    for module in model.modules():
-        if type(module) is not torch.nn.Linear:
+def can_pack(module: torch.nn.Module) -> bool:
+    if type(module) is not torch.nn.Linear or not torch.backends.mkldnn.is_available():
+        return False
+    weight = module.weight
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
+def pack_linears(model: torch.nn.Module) -> int:
+    """Make every packable `nn.Linear` of `model` a `PackedLinear`, one at a time (the
+    plain weight is freed before the next is packed); the number packed."""
+    packed = 0
+    for module in list(model.modules()):
+        if not can_pack(module):
             continue
-        weight = module.weight
-        shape = (weight.shape[0], weight.shape[1])
-        if shape not in choice:
-            choice[shape] = _flipped_is_faster(weight)
-        module.__class__ = RowLinear
-        row = cast(RowLinear, module)
-        row.faster_flipped = row.flipped = choice[shape]
-    return choice
-
-
-def set_flipping(model: torch.nn.Module, on: bool) -> None:
-    """Flip where it measured faster (`on`), or never: every row through `F.linear`."""
-    for module in model.modules():
-        if isinstance(module, RowLinear):
-            module.flipped = on and module.faster_flipped
-
-
-def _flipped_is_faster(weight: torch.Tensor) -> bool:
-    x = torch.randn(_PROBE_ROWS, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    with torch.inference_mode():
-        plain = _best_time(lambda: F.linear(x, weight))
-        flipped = _best_time(lambda: (weight @ x.t()).t())
-    return flipped < 0.9 * plain
-
-
-def _best_time(fn: object, reps: int = 3) -> float:
-    assert callable(fn)
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        assert isinstance(module, torch.nn.Linear)
+        weight = module.weight.detach()
+        del module.weight  # unties an output layer that shared the embedding's weight
+        packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
+        module.register_buffer("weight", packed_weight)
+        module.__class__ = PackedLinear
+        packed += 1
+    return packed
