@@ -334,9 +334,9 @@ class DeterministicRows:
     of rows for most counts, but not for a few small ones, where the library
     takes other kernels (measured: over packed oneDNN weights one row alone
     differs in some shapes; through MKL's `F.linear`, 1-3, 5-7 and 9-11 rows
-    differ from 4, 8 and 12 or more). A batch padded to a stable count computes each sequence's rows as
-    they would be computed in any other stable batch, so a request's output no
-    longer depends on what else runs. The stable counts are measured here, on
+    differ from 4, 8 and 12 or more). A batch padded to a stable count computes
+    each sequence's rows as they would be computed in any other stable batch, so
+    a request's output no longer depends on what else runs. The stable counts are measured here, on
     the model's own weight shapes, once at start-up; counts above `probe_rows`
     are taken as stable (prefills of hundreds of rows are).
     """
