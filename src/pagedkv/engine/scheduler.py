@@ -63,6 +63,9 @@ class Scheduler:
         self.config = config
         self.budget_tokens = budget_tokens
         self.reserved_tokens = 0
+        # Capacity of freed KV buffers the engine keeps for reuse; counted against the
+        # budget like a reservation, and given up before anything waits or is preempted.
+        self.spare_tokens = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._order = 0
@@ -78,7 +81,7 @@ class Scheduler:
         return self.initial_capacity(seq) * (1 + seq.samples_to_fork)
 
     def fits(self, tokens: int) -> bool:
-        return self.reserved_tokens + tokens <= self.budget_tokens
+        return self.reserved_tokens + self.spare_tokens + tokens <= self.budget_tokens
 
     def reserve(self, tokens: int) -> None:
         assert self.fits(tokens), "reserved past the KV budget"

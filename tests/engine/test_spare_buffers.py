@@ -1,0 +1,69 @@
+"""Spare KV buffers: a finished sequence's buffer serves the next one of about its size,
+whatever it still holds, and gives way to any sequence that needs the budget."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pagedkv import CacheConfig, Engine, SamplingParams
+
+BS = 8
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 200) for _ in range(n)]
+
+
+def _engine(model: Path, **config: object) -> Engine:
+    return Engine.from_pretrained(
+        str(model), config=CacheConfig(block_size=BS, ram_cache_bytes=64 * 2**20, **config)
+    )
+
+
+@pytest.mark.parametrize("which", ["llama", "sliding"])
+def test_a_reused_buffer_changes_no_answer(
+    which: str, tiny_llama_dir: Path, tiny_sliding_dir: Path
+) -> None:
+    """A cached prefix restored into a spare that still holds another prompt's KV (for
+    the sliding model, rows below the window are left as they are) answers as a fresh
+    engine with nothing cached does."""
+    directory = tiny_llama_dir if which == "llama" else tiny_sliding_dir
+    shared = _prompt(1, 48)
+    asked = shared + _prompt(2, 9)
+    with _engine(directory) as fresh:
+        want = fresh.generate(asked, GREEDY).token_ids
+    with _engine(directory) as eng:
+        worker = eng._worker
+        eng.generate(shared + _prompt(3, 9), GREEDY)  # caches `shared`
+        assert len(worker.spares) == 1
+        buffer = worker.spares[0].data_ptr()
+        eng.generate(_prompt(4, 57), GREEDY)  # other KV into the same buffer
+        assert [s.data_ptr() for s in worker.spares] == [buffer]
+        got = eng.generate(asked, GREEDY)
+        assert got.cached_tokens >= 48 - BS
+        assert got.token_ids == want
+        assert [s.data_ptr() for s in worker.spares] == [buffer]
+        assert worker.scheduler.spare_tokens == worker.spares[0].shape[3]
+        stats = eng.cache_stats().scheduling
+        assert stats is not None and stats.kv_reserved_bytes == 0
+
+
+def test_spares_give_way_to_a_sequence_that_needs_the_budget(tiny_llama_dir: Path) -> None:
+    probe = _engine(tiny_llama_dir)
+    per_token = probe.adapter.kv_bytes_per_token
+    big = _prompt(5, 560)
+    want = probe.generate(big, GREEDY).token_ids
+    probe.close()
+    with _engine(tiny_llama_dir, kv_budget_bytes=600 * per_token) as eng:
+        eng.generate(_prompt(6, 40), GREEDY)
+        sched = eng._worker.scheduler
+        assert sched.spare_tokens > 0
+        # 572 tokens fit the budget alone but not next to the spare: it must go.
+        assert not sched.fits(len(big) + GREEDY.max_tokens)
+        assert eng.generate(big, GREEDY).token_ids == want
+        assert sched.reserved_tokens + sched.spare_tokens <= sched.budget_tokens
