@@ -2,12 +2,12 @@
 
 Every token of every step goes through the linear layers, so their speed is
 most of a forward's. `F.linear` goes to MKL, which on the CPUs this was
-measured on (AMD EPYC, MKL 2024) reaches ~7 GB/s of weights at 1-16 rows, a
-fifth of what the memory gives (~34 GB/s read), and is slower still at 2-3
+measured on (AMD EPYC, MKL 2024) reads the weights at 7-12 GB/s at 1-16 rows,
+a fifth to a third of what the memory gives (~35 GB/s read), slowest at 2
 rows. The same products through oneDNN, over weights reordered once into its
 blocked layout (`_reorder_linear_weight`), measured over the bundled model's
-weight shapes: 1.5-1.7x faster at 1 row, 1.8-2.1x at 8 and 16, 1.2-1.3x for a
-512-row prefill chunk.
+weight shapes (`benchmarks/bench_linear.py`): 1.7x faster at 1 row, 2.1-2.3x
+at 2 and 8, 1.9x at 16, 1.2-1.3x for a 512-row prefill chunk.
 
 They also round alike whatever the number of rows: a row comes out bit-identical
 among 2 or 700 rows (one row alone may differ: a matrix-vector kernel), where
