@@ -336,9 +336,10 @@ class DeterministicRows:
     differs in some shapes; through MKL's `F.linear`, 1-3, 5-7 and 9-11 rows
     differ from 4, 8 and 12 or more). A batch padded to a stable count computes
     each sequence's rows as they would be computed in any other stable batch, so
-    a request's output no longer depends on what else runs. The stable counts are measured here, on
-    the model's own weight shapes, once at start-up; counts above `probe_rows`
-    are taken as stable (prefills of hundreds of rows are).
+    a request's output no longer depends on what else runs. The stable counts
+    are measured here, on the model's own weight shapes, once at start-up;
+    counts above `probe_rows` are taken as stable (prefills of hundreds of rows
+    are).
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], probe_rows: int = 32) -> None:

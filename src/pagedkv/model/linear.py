@@ -40,22 +40,18 @@ class PackedLinear(torch.nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def can_pack(module: torch.nn.Module) -> bool:
-    if type(module) is not torch.nn.Linear or not torch.backends.mkldnn.is_available():
-        return False
-    weight = module.weight
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
-
-
 def pack_linears(model: torch.nn.Module) -> int:
-    """Make every packable `nn.Linear` of `model` a `PackedLinear`, one at a time (the
-    plain weight is freed before the next is packed); the number packed."""
+    """Make every float32 CPU `nn.Linear` of `model` a `PackedLinear`, one at a time
+    (the plain weight is freed before the next is packed); the number packed."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
     packed = 0
     for module in list(model.modules()):
-        if not can_pack(module):
+        if type(module) is not torch.nn.Linear:
             continue
-        assert isinstance(module, torch.nn.Linear)
         weight = module.weight.detach()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            continue
         del module.weight  # unties an output layer that shared the embedding's weight
         packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
         module.register_buffer("weight", packed_weight)
