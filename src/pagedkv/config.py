@@ -14,6 +14,9 @@ GiB = 1024**3
 
 # How KV is held in the live buffers, RAM and every tier (see `model.kv_format`).
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8")
+# `--dtype`: the model's weights and activations; int8 is int8 weights with float32
+# activations and KV (`model.linear.quantize_linears`), CPU only.
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {

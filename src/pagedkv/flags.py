@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.config import KV_DTYPES, CacheConfig, default_ssd_cache_dir, parse_size
+from pagedkv.config import DTYPES, KV_DTYPES, CacheConfig, default_ssd_cache_dir, parse_size
 
 if TYPE_CHECKING:
     from pagedkv.engine.scheduler import SchedulerConfig
@@ -38,7 +38,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default=env("--dtype", "auto"),
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=list(DTYPES),
+        help="weights and activations: auto (float32 on CPU, bfloat16 on CUDA), or int8 "
+        "weights (CPU; faster decode, a measured quality cost: docs/usage.md)",
     )
     p.add_argument(
         "--log-level",

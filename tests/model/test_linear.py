@@ -1,5 +1,6 @@
-"""Linear layers packed for oneDNN: the same products, rows that round alike whatever
-their number, the plain weights freed, and a tied output layer's embedding kept."""
+"""Linear layers packed for oneDNN, and int8 weights (`--dtype int8`): the same
+products (int8: within its rounding), rows that round alike whatever their number,
+the plain weights freed, and a tied output layer's embedding kept."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from pagedkv.model import load_model
 from pagedkv.model.fingerprint import _state_dict_digest
-from pagedkv.model.linear import PackedLinear, pack_linears
+from pagedkv.model.linear import Int8Linear, PackedLinear, pack_linears, quantize_linears
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
@@ -79,6 +80,74 @@ def test_the_adapter_packs_its_model_and_names_the_kernel(tiny_llama_dir: Path) 
     adapter = load_model(tiny_llama_dir)
     linears = [m for m in adapter.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is PackedLinear for m in linears)
-    assert adapter.packed_linears == len(linears)
+    assert adapter.linear_kernel == "onednn-packed"
     adapter.fingerprint(16)
     assert adapter._identity is not None and '"linear": "onednn-packed"' in adapter._identity
+
+
+def test_int8_layers_compute_what_float_ones_did_to_the_weights_rounding() -> None:
+    model = Tied()
+    ids = torch.randint(0, 300, (1, 37))
+    with torch.inference_mode():
+        want = model(ids)
+        # the float products over the int8 weights: what the pair coding of the
+        # inputs must reach (the inputs' own rounding is 254 x 127 finer)
+        dequantized = Tied()
+    assert quantize_linears(model) == 3
+    assert all(type(m) is Int8Linear for m in (model.up, model.down, model.head))
+    for name in ("up", "down", "head"):
+        layer = getattr(model, name)
+        dequantized_weight = layer.weight.float() * layer.scale[:, None]
+        getattr(dequantized, name).weight = torch.nn.Parameter(dequantized_weight)
+        assert layer.weight.dtype == torch.int8
+    with torch.inference_mode():
+        got = model(ids)
+        reference = dequantized(ids)
+    assert (got - reference).abs().max().item() < 1e-3 * reference.abs().max().item()
+    # the weights' rounding does move the output, by about its own size
+    assert 1e-4 < (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    assert isinstance(model.embed.weight, torch.nn.Parameter)  # tied embedding kept float
+
+
+def test_int8_rows_are_bit_identical_whatever_their_number() -> None:
+    torch.manual_seed(2)
+    layer = torch.nn.Linear(576, 1536)
+    x = torch.randn(300, 576) * torch.linspace(0.1, 30, 576)  # outlier-ish columns
+    quantize_linears(layer)
+    with torch.inference_mode():
+        full = layer(x)
+        differ = [n for n in range(1, 300) if not torch.equal(layer(x[:n]), full[:n])]
+    assert differ == []
+
+
+def test_int8_layers_reading_one_input_share_its_codes_and_only_that() -> None:
+    torch.manual_seed(3)
+    model = torch.nn.ModuleDict({"q": torch.nn.Linear(32, 16), "k": torch.nn.Linear(32, 8)})
+    quantize_linears(model)
+    x, y = torch.randn(4, 32), torch.randn(4, 32)
+    with torch.inference_mode():
+        alone = model["k"](y.clone())
+        model["q"](x)
+        shared_codes = model["q"].inputs.codes
+        model["k"](x)
+        assert model["k"].inputs.codes is shared_codes  # coded once for both
+        assert torch.equal(model["k"](y), alone)  # a new input is coded anew
+
+
+def test_int8_adapter_names_its_kernel_and_answers_close_to_float(tiny_llama_dir: Path) -> None:
+    plain = load_model(tiny_llama_dir)
+    int8 = load_model(tiny_llama_dir, dtype="int8")
+    linears = [m for m in int8.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is Int8Linear for m in linears)
+    assert int8.linear_kernel == "int8-pair" and int8.dtype == torch.float32
+    assert int8.fingerprint(16) != plain.fingerprint(16)
+    ids = list(range(5, 45))
+    with torch.inference_mode():
+        a = plain.model(input_ids=torch.tensor([ids])).logits
+        b = int8.model(input_ids=torch.tensor([ids])).logits
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+
+
+def test_int8_weights_need_the_cpu() -> None:
+    with pytest.raises(ValueError, match="CPU only"):
+        load_model("smollm2-135m", device=torch.device("cuda"), dtype="int8")

@@ -349,7 +349,8 @@ class DeterministicRows:
         for layer in layers:
             weight = layer.weight
             assert isinstance(weight, torch.Tensor)
-            x = torch.randn(2 * probe_rows, weight.shape[1], generator=gen).to(weight.dtype)
+            dtype = weight.dtype if weight.is_floating_point() else torch.float32  # int8 codes
+            x = torch.randn(2 * probe_rows, weight.shape[1], generator=gen).to(dtype)
             with torch.inference_mode():
                 want = layer(x)
                 for rows in list(stable):

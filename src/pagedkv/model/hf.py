@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from pagedkv.config import DTYPES
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
@@ -28,7 +29,7 @@ from pagedkv.model.fingerprint import config_identity, weights_digest
 from pagedkv.model.kinds import LayerKinds, read_layer_kinds
 from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.kv_layer import GrowableLayer
-from pagedkv.model.linear import KERNEL, pack_linears
+from pagedkv.model.linear import INT8_KERNEL, KERNEL, pack_linears, quantize_linears
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         return dtype
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype == "int8":
+        if device.type != "cpu":
+            raise ValueError("dtype 'int8' (int8 weights) runs on the CPU only; use device 'cpu'")
+        return torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto', {', '.join(map(repr, _DTYPES))}; got {dtype!r}")
+        raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}; got {dtype!r}")
     return _DTYPES[dtype]
 
 
@@ -82,6 +87,7 @@ class ModelAdapter:
         *,
         name: str,
         model_dir: Path | None = None,
+        int8_weights: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -133,8 +139,18 @@ class ModelAdapter:
         self._identity: str | None = None
         self.unbatched_reason: str | None = self._use_ragged_attention(params)
         self.batched: bool = self.unbatched_reason is None
-        self.packed_linears: int = pack_linears(model)
-        logger.info("linear layers packed for oneDNN: %d", self.packed_linears)
+        # The linear layers' kernel, in the identity: KV computed another way rounds otherwise.
+        self.linear_kernel = "torch"
+        if int8_weights:
+            if not quantize_linears(model):
+                raise ModelNotSupportedError(
+                    f"dtype 'int8' found no float32 linear layer on the CPU in {name}"
+                )
+            self.linear_kernel = INT8_KERNEL
+            logger.info("linear layers hold int8 weights")
+        elif pack_linears(model):
+            self.linear_kernel = KERNEL
+            logger.info("linear layers packed for oneDNN")
 
     # ---- identity -------------------------------------------------------
 
@@ -166,7 +182,7 @@ class ModelAdapter:
                     "weights": weights_digest(self.model, self.model_dir),
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "kv_layout": KV_LAYOUT_VERSION,
-                    "linear": KERNEL if self.packed_linears else "torch",
+                    "linear": self.linear_kernel,
                 },
                 sort_keys=True,
             )
@@ -381,7 +397,8 @@ class ModelAdapter:
     def __repr__(self) -> str:
         return (
             f"ModelAdapter({self.name!r}, device={self.device}, dtype={self.dtype}, "
-            f"layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"linear={self.linear_kernel}, layers={self.num_layers}, "
+            f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"prefix_caching={'on' if self.prefix_caching_supported else 'off'})"
         )
 
@@ -445,6 +462,8 @@ def load_model(
         ) from exc
     model.to(target)
     model.eval()
-    adapter = ModelAdapter(model, tokenizer, name=name, model_dir=directory)
+    adapter = ModelAdapter(
+        model, tokenizer, name=name, model_dir=directory, int8_weights=dtype == "int8"
+    )
     logger.info("loaded %r", adapter)
     return adapter

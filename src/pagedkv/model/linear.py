@@ -20,13 +20,30 @@ grow, except for an output layer tied to the input embedding: the embedding
 keeps the plain copy it looks tokens up in. Float32 weights on CPU are packed
 when torch has oneDNN; other layers (other dtypes were not measured) keep
 `F.linear`.
+
+`--dtype int8` (`quantize_linears`) stores each weight as int8 with a float32
+scale per output row instead, a quarter of the bytes, and multiplies through
+`torch._int_mm` (int8 by int8, exact int32 sums). An int8 activation alone
+loses too much (measured on the bundled model, `benchmarks/bench_kv_quality.py`:
+mean KL 0.072 nats against float32, greedy agreement 0.855), so each input row
+is coded as a pair: its int8 rounding at the row's absmax/127 and the int8
+rounding of what that left, 254 times finer. Both rows of a pair go through one
+product (the weight is read once) and are summed in float32, which brings the
+error down to the weights' own (KL 0.0084, agreement 0.943). Every row is its
+own: exact integer sums, a scale per row, so a row is bit-identical whatever the
+number of rows. The layers that take the same input (q, k and v; gate and up)
+share its codes (`_InputCodes`). Measured single-stream decode: 1.25-1.45x
+float32's packed oneDNN (docs/benchmarks.md, "Compact weights").
 """
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
 KERNEL = "onednn-packed"  # in the model's identity: KV computed another way rounds otherwise
+INT8_KERNEL = "int8-pair"
 # The row count the packed layout is chosen for: a decode step's few rows. The products
 # of 1 and 512 rows measured as fast over it as over a layout packed for them.
 _PACK_FOR_ROWS = 8
@@ -58,3 +75,72 @@ def pack_linears(model: torch.nn.Module) -> int:
         module.__class__ = PackedLinear
         packed += 1
     return packed
+
+
+class _InputCodes:
+    """The int8 codes of the last input one model's `Int8Linear` layers saw, so the
+    layers reading one tensor (q, k and v; gate and up) code it once. Keyed on the
+    tensor object, held until the next input: the decoders this serves make a new
+    tensor for every new activation and never write into one between its readers."""
+
+    def __init__(self) -> None:
+        self.input: torch.Tensor | None = None
+        self.codes = torch.empty(0, dtype=torch.int8)
+        self.scales = torch.empty(0)
+
+    def code(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[2 * rows, K]` int8 (each row's coarse codes, then the fine codes of
+        what they left) and `[rows, 1]` float32, the scale of one fine unit."""
+        if x is not self.input:
+            rows = x.reshape(-1, x.shape[-1])
+            absmax = rows.abs().amax(-1, keepdim=True).clamp_(min=1e-30)
+            scaled = rows * absmax.reciprocal().mul_(127)
+            coarse = scaled.round()
+            fine = scaled.sub_(coarse).mul_(_FINE).round_()  # |fine| <= 127
+            self.codes = torch.cat([coarse, fine]).to(torch.int8)
+            self.scales = absmax.mul_(1 / (127 * _FINE))
+            self.input = x
+        return self.codes, self.scales
+
+
+_FINE = 254  # the fine code's unit is 1/254 of the coarse one's
+
+
+class Int8Linear(torch.nn.Linear):
+    """An `nn.Linear` whose `weight` is int8 codes `[out, in]` with a float32
+    `scale` per output row (both buffers): weight ~= codes * scale[:, None]."""
+
+    scale: torch.Tensor
+    inputs: _InputCodes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scales = self.inputs.code(x)
+        rows = scales.shape[0]
+        sums = torch._int_mm(codes, self.weight.t()).float()
+        y = torch.add(sums[rows:], sums[:rows], alpha=_FINE).mul_(scales).mul_(self.scale)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_linears(model: torch.nn.Module) -> int:
+    """Make every float32 CPU `nn.Linear` of `model` an `Int8Linear` (per-row absmax
+    scales; the float weight is freed, a tied output layer gets its own codes); the
+    number made."""
+    shared = _InputCodes()
+    made = 0
+    for module in list(model.modules()):
+        if type(module) is not torch.nn.Linear:
+            continue
+        weight = module.weight.detach()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            continue
+        scale = weight.abs().amax(1).clamp_(min=1e-30) / 127
+        codes = torch.round(weight / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        del module.weight
+        module.register_buffer("weight", codes)
+        module.register_buffer("scale", scale)
+        module.__class__ = Int8Linear
+        typing.cast(Int8Linear, module).inputs = shared
+        made += 1
+    return made

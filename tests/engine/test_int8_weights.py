@@ -1,0 +1,93 @@
+"""int8 weights (`--dtype int8`) under the engine: cached and fresh output stay
+identical (RAM, SSD after a restart, many requests at once), and their blocks never
+mix with float32 weights' (the kernel is in the namespace)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from engine_helpers import BS, random_prompt
+
+from pagedkv import CacheConfig, Engine, SamplingParams
+from pagedkv.engine import SchedulerConfig
+
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)
+TOL = 2e-5  # a lone query row's attention sums in another order (see test_kv_dtype)
+
+Answer = tuple[list[int], list[float]]
+
+
+def _engine(model: Path, dtype: str = "int8", **cfg: object) -> Engine:
+    config = CacheConfig(block_size=BS, **cfg)  # type: ignore[arg-type]
+    return Engine.from_pretrained(
+        str(model), config=config, dtype=dtype, scheduling=SchedulerConfig(deterministic=True)
+    )
+
+
+def _answers(
+    eng: Engine, prompts: list[list[int]], params: SamplingParams = PARAMS
+) -> list[Answer]:
+    out = []
+    for p in prompts:
+        r = eng.generate(p, params)
+        assert r.logprobs is not None
+        out.append((r.token_ids, r.logprobs))
+    return out
+
+
+def _same(got: list[Answer], want: list[Answer]) -> None:
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= TOL
+
+
+def _prompts() -> list[list[int]]:
+    shared = random_prompt(5, 37)
+    return [shared + random_prompt(6, 5), shared[:29] + random_prompt(7, 9)]
+
+
+def test_int8_weights_cached_equal_cache_off_on_ram_and_ssd_after_a_restart(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    prompts = _prompts()
+    with _engine(tiny_llama_dir, enable_prefix_caching=False) as off:
+        want = _answers(off, prompts)
+    with _engine(tiny_llama_dir, "float32", enable_prefix_caching=False) as plain:
+        float_answers = _answers(plain, prompts)
+    # int8 weights really change the numbers (else this test could not fail)
+    assert max(abs(x - y) for x, y in zip(want[0][1], float_answers[0][1], strict=True)) > 10 * TOL
+    cfg = {"ssd_cache_dir": tmp_path / "kv", "ssd_cache_bytes": 64 * 2**20}
+    with _engine(tiny_llama_dir, **cfg) as eng:
+        cold = _answers(eng, prompts)
+        warm = eng.generate(prompts[0], PARAMS)
+        assert warm.cached_tokens == len(prompts[0]) - 1
+    _same(cold, want)
+    _same([(warm.token_ids, warm.logprobs or [])], want[:1])
+    with _engine(tiny_llama_dir, **cfg) as eng:  # a restart: empty RAM, the SSD tier
+        got = _answers(eng, prompts)
+        stats = eng.cache_stats().cache
+        assert stats is not None and stats.tiers["ssd"].hits > 0
+    _same(got, want)
+    with _engine(tiny_llama_dir, "float32", **cfg) as other:
+        assert other.generate(prompts[0], PARAMS).cached_tokens == 0
+
+
+def test_int8_weights_many_requests_at_once_equal_each_alone(tiny_llama_dir: Path) -> None:
+    shared = random_prompt(80, 30)
+    prompts = [shared + random_prompt(81 + i, 10 + 3 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=True)
+    with _engine(tiny_llama_dir, enable_prefix_caching=False) as off:
+        want = _answers(off, prompts, params)
+    with _engine(tiny_llama_dir) as eng:
+        results: list[Answer] = [([], [])] * len(prompts)
+
+        def run(i: int) -> None:
+            results[i] = _answers(eng, prompts[i : i + 1], params)[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    _same(results, want)
