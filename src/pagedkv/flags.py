@@ -39,8 +39,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default=env("--dtype", "auto"),
         choices=list(DTYPES),
-        help="weights and activations: auto (float32 on CPU, bfloat16 on CUDA), or int8 "
-        "weights (CPU; faster decode, a measured quality cost: docs/usage.md)",
+        help="weights and activations: auto (float32 on CPU, bfloat16 on CUDA); bfloat16 or "
+        "int8 weights decode faster on the CPU at a measured quality cost (docs/usage.md)",
     )
     p.add_argument(
         "--log-level",

@@ -151,3 +151,23 @@ def test_int8_adapter_names_its_kernel_and_answers_close_to_float(tiny_llama_dir
 def test_int8_weights_need_the_cpu() -> None:
     with pytest.raises(ValueError, match="CPU only"):
         load_model("smollm2-135m", device=torch.device("cuda"), dtype="int8")
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no native bfloat16 on this CPU"
+)
+def test_bfloat16_layers_are_packed_where_the_cpu_has_bfloat16() -> None:
+    torch.manual_seed(4)
+    layer = torch.nn.Linear(576, 1536).to(torch.bfloat16)
+    x = torch.randn(300, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = layer(x)
+    digest = _state_dict_digest(layer)
+    assert pack_linears(layer) == 1 and type(layer) is PackedLinear
+    assert _state_dict_digest(layer) == digest
+    with torch.inference_mode():
+        full = layer(x)
+        differ = [n for n in range(2, 300) if not torch.equal(layer(x[:n]), full[:n])]
+    assert full.dtype == torch.bfloat16
+    assert (full.float() - want.float()).abs().max().item() < 0.02 * want.abs().max().item()
+    assert differ == []

@@ -54,7 +54,8 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto` → float32 on CPU (bfloat16 prefill is several times slower there), bfloat16
+    """`auto` → float32 on CPU (the exact choice; bfloat16 is faster only on CPUs that
+    multiply it natively, and rounds coarser: `linear.pack_linears`), bfloat16
     on CUDA."""
     if isinstance(dtype, torch.dtype):
         return dtype

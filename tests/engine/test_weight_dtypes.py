@@ -1,12 +1,14 @@
-"""int8 weights (`--dtype int8`) under the engine: cached and fresh output stay
-identical (RAM, SSD after a restart, many requests at once), and their blocks never
-mix with float32 weights' (the kernel is in the namespace)."""
+"""Compact weights under the engine (`--dtype int8`: int8 weights; `--dtype bfloat16`:
+packed for oneDNN where the CPU has bfloat16): cached and fresh output stay identical
+(RAM, SSD after a restart, many requests at once), and their blocks never mix with
+float32 weights' (dtype and kernel are in the namespace)."""
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
+import pytest
 from engine_helpers import BS, random_prompt
 
 from pagedkv import CacheConfig, Engine, SamplingParams
@@ -47,24 +49,25 @@ def _prompts() -> list[list[int]]:
     return [shared + random_prompt(6, 5), shared[:29] + random_prompt(7, 9)]
 
 
-def test_int8_weights_cached_equal_cache_off_on_ram_and_ssd_after_a_restart(
-    tiny_llama_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_compact_weights_cached_equal_cache_off_on_ram_and_ssd_after_a_restart(
+    tiny_llama_dir: Path, tmp_path: Path, dtype: str
 ) -> None:
     prompts = _prompts()
-    with _engine(tiny_llama_dir, enable_prefix_caching=False) as off:
+    with _engine(tiny_llama_dir, dtype, enable_prefix_caching=False) as off:
         want = _answers(off, prompts)
     with _engine(tiny_llama_dir, "float32", enable_prefix_caching=False) as plain:
         float_answers = _answers(plain, prompts)
-    # int8 weights really change the numbers (else this test could not fail)
+    # the dtype really changes the numbers (else this test could not fail)
     assert max(abs(x - y) for x, y in zip(want[0][1], float_answers[0][1], strict=True)) > 10 * TOL
     cfg = {"ssd_cache_dir": tmp_path / "kv", "ssd_cache_bytes": 64 * 2**20}
-    with _engine(tiny_llama_dir, **cfg) as eng:
+    with _engine(tiny_llama_dir, dtype, **cfg) as eng:
         cold = _answers(eng, prompts)
         warm = eng.generate(prompts[0], PARAMS)
         assert warm.cached_tokens == len(prompts[0]) - 1
     _same(cold, want)
     _same([(warm.token_ids, warm.logprobs or [])], want[:1])
-    with _engine(tiny_llama_dir, **cfg) as eng:  # a restart: empty RAM, the SSD tier
+    with _engine(tiny_llama_dir, dtype, **cfg) as eng:  # a restart: empty RAM, the SSD tier
         got = _answers(eng, prompts)
         stats = eng.cache_stats().cache
         assert stats is not None and stats.tiers["ssd"].hits > 0
@@ -73,13 +76,16 @@ def test_int8_weights_cached_equal_cache_off_on_ram_and_ssd_after_a_restart(
         assert other.generate(prompts[0], PARAMS).cached_tokens == 0
 
 
-def test_int8_weights_many_requests_at_once_equal_each_alone(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_compact_weights_many_requests_at_once_equal_each_alone(
+    tiny_llama_dir: Path, dtype: str
+) -> None:
     shared = random_prompt(80, 30)
     prompts = [shared + random_prompt(81 + i, 10 + 3 * i) for i in range(6)]
     params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=True)
-    with _engine(tiny_llama_dir, enable_prefix_caching=False) as off:
+    with _engine(tiny_llama_dir, dtype, enable_prefix_caching=False) as off:
         want = _answers(off, prompts, params)
-    with _engine(tiny_llama_dir) as eng:
+    with _engine(tiny_llama_dir, dtype) as eng:
         results: list[Answer] = [([], [])] * len(prompts)
 
         def run(i: int) -> None:
