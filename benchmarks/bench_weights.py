@@ -15,24 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
+from bench_kv_quality import decode_rate
 
 from pagedkv.model import load_model
-from pagedkv.model.batch import SeqChunk
-from pagedkv.model.hf import ModelAdapter
-
-
-def decode_rate(adapter: ModelAdapter, ids: list[int], steps: int) -> float:
-    kv = adapter.new_kv_buffer(len(ids) + steps)
-    logits = adapter.forward_batch([SeqChunk(kv, 0, ids, True)])[0]
-    token, n = int(logits.argmax()), len(ids)
-    start = time.perf_counter()
-    for _ in range(steps):
-        logits = adapter.forward_batch([SeqChunk(kv, n, [token], True)])[0]
-        token, n = int(logits.argmax()), n + 1
-    return steps / (time.perf_counter() - start)
 
 
 def main() -> int:

@@ -16,9 +16,37 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 WORKER = Path(__file__).with_name("engine_worker.py")
 
 
+# A request's greedy tokens and their log-probs.
+Answer = tuple[list[int], list[float]]
+
+
+def answers(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> list[Answer]:
+    """Each prompt's answer, one request at a time (`params` must ask for logprobs)."""
+    out = []
+    for p in prompts:
+        r = eng.generate(p, params)
+        assert r.logprobs is not None
+        out.append((r.token_ids, r.logprobs))
+    return out
+
+
+def same_answers(got: list[Answer], want: list[Answer], tol: float) -> None:
+    """Identical tokens, log-probs within `tol`."""
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= tol
+
+
 def random_prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 200) for _ in range(n)]
+
+
+def two_prompts() -> list[list[int]]:
+    """Two prompts sharing a 29-token prefix (several blocks), the first 37 tokens long
+    before its own suffix."""
+    shared = random_prompt(5, 37)
+    return [shared + random_prompt(6, 5), shared[:29] + random_prompt(7, 9)]
 
 
 def reference_outputs(model: Path, prompts: list[list[int]]) -> list[list[int]]:

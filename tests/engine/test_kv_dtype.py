@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import BS, random_prompt
+from engine_helpers import BS, Answer, answers, random_prompt, same_answers, two_prompts
 
 from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine import SchedulerConfig
@@ -40,29 +40,14 @@ def _engine(model: Path, kv_dtype: str, **cfg: object) -> Engine:
     )
 
 
-Answer = tuple[list[int], list[float]]
-
-
 def _answers(
     eng: Engine, prompts: list[list[int]], params: SamplingParams = PARAMS
 ) -> list[Answer]:
-    out = []
-    for p in prompts:
-        r = eng.generate(p, params)
-        assert r.logprobs is not None
-        out.append((r.token_ids, r.logprobs))
-    return out
+    return answers(eng, prompts, params)
 
 
 def _same(got: list[Answer], want: list[Answer]) -> None:
-    assert [g[0] for g in got] == [w[0] for w in want]
-    for (_, a), (_, b) in zip(got, want, strict=True):
-        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= TOL
-
-
-def _prompts() -> list[list[int]]:
-    shared = random_prompt(5, 37)
-    return [shared + random_prompt(6, 5), shared[:29] + random_prompt(7, 9)]
+    same_answers(got, want, TOL)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +56,7 @@ def reference(tiny_llama_dir: Path) -> dict[str, list[tuple[list[int], list[floa
     out = {}
     for kv_dtype in KV_DTYPES:
         with _engine(tiny_llama_dir, kv_dtype, enable_prefix_caching=False) as off:
-            out[kv_dtype] = _answers(off, _prompts())
+            out[kv_dtype] = _answers(off, two_prompts())
     return out
 
 
@@ -90,7 +75,7 @@ def test_each_dtype_rounds_differently(reference: dict[str, list]) -> None:
 def test_ram_hits_equal_cache_off_bit_for_bit(
     tiny_llama_dir: Path, kv_dtype: str, reference: dict[str, list]
 ) -> None:
-    prompts = _prompts()
+    prompts = two_prompts()
     with _engine(tiny_llama_dir, kv_dtype) as eng:
         cold = _answers(eng, prompts)
         warm = eng.generate(prompts[0], PARAMS)
@@ -109,7 +94,7 @@ def test_ssd_restart_equals_cache_off_and_stores_compact_files(
     tiny_llama_dir: Path, tmp_path: Path, kv_dtype: str, reference: dict[str, list]
 ) -> None:
     ssd = tmp_path / "kv"
-    prompts = _prompts()
+    prompts = two_prompts()
     cfg = {"ssd_cache_dir": ssd, "ssd_cache_bytes": 64 * 2**20}
     with _engine(tiny_llama_dir, kv_dtype, **cfg) as eng:
         eng.generate(prompts[0], PARAMS)
@@ -138,7 +123,7 @@ def test_ssd_restart_equals_cache_off_and_stores_compact_files(
 def test_redis_hits_equal_cache_off(
     tiny_llama_dir: Path, redis_url: str, kv_dtype: str, reference: dict[str, list]
 ) -> None:
-    prompts = _prompts()
+    prompts = two_prompts()
     with _engine(tiny_llama_dir, kv_dtype, redis_url=redis_url) as eng:
         eng.clear_cache()
         eng.generate(prompts[0], PARAMS)

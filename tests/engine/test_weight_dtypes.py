@@ -9,15 +9,13 @@ import threading
 from pathlib import Path
 
 import pytest
-from engine_helpers import BS, random_prompt
+from engine_helpers import BS, Answer, answers, random_prompt, same_answers, two_prompts
 
 from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine import SchedulerConfig
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True)
 TOL = 2e-5  # a lone query row's attention sums in another order (see test_kv_dtype)
-
-Answer = tuple[list[int], list[float]]
 
 
 def _engine(model: Path, dtype: str = "int8", **cfg: object) -> Engine:
@@ -30,30 +28,18 @@ def _engine(model: Path, dtype: str = "int8", **cfg: object) -> Engine:
 def _answers(
     eng: Engine, prompts: list[list[int]], params: SamplingParams = PARAMS
 ) -> list[Answer]:
-    out = []
-    for p in prompts:
-        r = eng.generate(p, params)
-        assert r.logprobs is not None
-        out.append((r.token_ids, r.logprobs))
-    return out
+    return answers(eng, prompts, params)
 
 
 def _same(got: list[Answer], want: list[Answer]) -> None:
-    assert [g[0] for g in got] == [w[0] for w in want]
-    for (_, a), (_, b) in zip(got, want, strict=True):
-        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= TOL
-
-
-def _prompts() -> list[list[int]]:
-    shared = random_prompt(5, 37)
-    return [shared + random_prompt(6, 5), shared[:29] + random_prompt(7, 9)]
+    same_answers(got, want, TOL)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
 def test_compact_weights_cached_equal_cache_off_on_ram_and_ssd_after_a_restart(
     tiny_llama_dir: Path, tmp_path: Path, dtype: str
 ) -> None:
-    prompts = _prompts()
+    prompts = two_prompts()
     with _engine(tiny_llama_dir, dtype, enable_prefix_caching=False) as off:
         want = _answers(off, prompts)
     with _engine(tiny_llama_dir, "float32", enable_prefix_caching=False) as plain:
