@@ -47,6 +47,20 @@ def add_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} is not allowed on {request.url.path}"
         return render(request, APIError(exc.status_code, message, headers=exc.headers))
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, exc: RecursionError) -> Response:
+        # The request limits cap nesting before any route recurses (server/nesting.py);
+        # this catches what slips past them, as a 400 with no traceback in the log.
+        log.warning(
+            "%s %s: RecursionError (input nested too deeply)", request.method, request.url.path
+        )
+        return render(
+            request,
+            bad_request(
+                "the request nests too deeply to be served; flatten it", code="nesting_too_deep"
+            ),
+        )
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
