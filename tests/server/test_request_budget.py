@@ -279,3 +279,46 @@ def test_a_key_s_share_counts_the_n_samples_of_its_requests() -> None:
     r = client.post("/v1/completions", json={**quick, "n": 5}, headers=bearer("a"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert "at most 4" in r.json()["error"]["message"]
+
+
+class DeepFailure(FakeEngine):
+    """A template that fails 400 frames deep: with `error` RecursionError, a RecursionError
+    that slipped past the caps; otherwise a bug with a long traceback."""
+
+    def __init__(self, error: type[Exception]) -> None:
+        super().__init__()
+        self.error = error
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        def down(n: int) -> list[int]:
+            if n == 0:
+                raise self.error("deep failure")
+            return up(n - 1)
+
+        def up(n: int) -> list[int]:
+            return down(n)
+
+        return down(400)
+
+
+def test_a_recursion_error_anywhere_is_a_400_and_a_500_s_traceback_is_cut(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from pagedkv.server.error_handlers import MAX_TRACE_CHARS
+
+    client = TestClient(create_app(DeepFailure(RecursionError)), raise_server_exceptions=False)
+    with caplog.at_level(logging.INFO):
+        r = client.post("/v1/messages/count_tokens", json=MESSAGES)
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        assert not [rec for rec in caplog.records if rec.exc_info]
+        caplog.clear()
+        client = TestClient(create_app(DeepFailure(RuntimeError)), raise_server_exceptions=False)
+        r = client.post("/v1/chat/completions", json=MESSAGES)
+    assert r.status_code == 500
+    errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert len(errors) == 1  # once, as one record
+    text = errors[0].getMessage()
+    assert "characters of traceback cut" in text and "RuntimeError: deep failure" in text
+    assert len(text) < MAX_TRACE_CHARS + 500
