@@ -127,14 +127,15 @@ def _add_server_limit_flags(serve: argparse.ArgumentParser) -> None:
         "--max-content-chars",
         type=int,
         default=int(env("--max-content-chars", 4_000_000)),
-        help="most characters of text in one request's messages or prompt (default 4000000)",
+        help="most characters in one request's strings and keys, in any field: messages, "
+        "prompt, tools, response_format, metadata... (default 4000000)",
     )
     serve.add_argument(
         "--max-requests-per-key",
         type=int,
         default=_optional_int(env("--max-requests-per-key")),
-        help="requests one API key may have running; more get 429 (default: half of "
-        "--max-queue when there are several keys; 0: no limit)",
+        help="sequences one API key may have running (a request counts its n samples); "
+        "more get 429 (default: half of --max-queue when there are several keys; 0: no limit)",
     )
     serve.add_argument(
         "--max-connections",

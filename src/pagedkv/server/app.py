@@ -37,11 +37,12 @@ from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
 from pagedkv.server.generation import Generation, Options
 from pagedkv.server.http_errors import APIError, bad_request, shutting_down
-from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware
+from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
 from pagedkv.server.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
 from pagedkv.server.prepare import (
     chat_messages,
+    check_prompt_fits,
     check_supported,
     check_token_ids,
     completion_prompt,
@@ -57,6 +58,7 @@ from pagedkv.server.protocol import (
     HealthResponse,
     ModelList,
 )
+from pagedkv.server.render_pool import RenderPool
 from pagedkv.server.tenants import TenantLedger
 from pagedkv.server.tools import ToolSupport, tool_support
 from pagedkv.server.tools.output import ToolMode
@@ -88,6 +90,7 @@ class ServerState:
     vocab_size: int | None
     tools: ToolSupport
     share: KeyShare
+    render: RenderPool = field(default_factory=RenderPool)
     ledger: TenantLedger = field(default_factory=TenantLedger)
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False
@@ -160,9 +163,10 @@ def create_app(
         ids: list[int],
         tenant: Tenant,
         arrived: float,
+        held: ShareHeld,
         tools: ToolMode | None = None,
     ) -> Response:
-        gen = await start_generation(request, body, ids, tenant, arrived, tools)
+        gen = await start_generation(request, body, ids, tenant, arrived, held, tools)
         if not body.stream:
             return JSONResponse(await gen.response_body())
         return StreamingResponse(
@@ -177,9 +181,12 @@ def create_app(
         ids: list[int],
         tenant: Tenant,
         arrived: float,
+        held: ShareHeld,
         tools: ToolMode | None = None,
     ) -> Generation:
-        """Submit the request; returns once its first event (or its refusal) arrived."""
+        """Submit the request; returns once its first event (or its refusal) arrived.
+        `held` is the key's share the request took (`admit`); the generation gives it
+        back when it closes."""
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         max_tokens = max_new_tokens(body, len(ids), engine.max_context, param)
@@ -205,11 +212,10 @@ def create_app(
 
         def on_close(gen: Generation) -> None:
             state.generations.discard(gen)
-            state.share.release(tenant)
+            held.release()
             results = [gen.results[i] for i in sorted(gen.results)]
             state.ledger.finished(tenant, results, complete=gen.done)
 
-        state.share.acquire(tenant)  # a 429 here for a key over its share, not for others
         state.ledger.started(tenant)
         gen = Generation(
             open_stream,
@@ -265,12 +271,16 @@ def create_app(
         check_open(body.model)
         check_supported(body)
         prompt = completion_prompt(body)
-        if isinstance(prompt, str):
-            ids = await _blocking(engine.tokenize, prompt, what="the tokenizer")
-        else:
-            check_token_ids(prompt, state.vocab_size, "prompt")
-            ids = prompt
-        return await generate(request, body, ids, tenant, arrived)
+        held = admit(tenant, body.n)
+        with held.released_on_error():
+            if isinstance(prompt, str):
+                ids = await _blocking(
+                    engine.tokenize, prompt, what="the tokenizer", pool=state.render
+                )
+            else:
+                check_token_ids(prompt, state.vocab_size, "prompt")
+                ids = prompt
+            return await generate(request, body, ids, tenant, arrived, held)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAMS)
     async def chat_completions(
@@ -279,15 +289,31 @@ def create_app(
         arrived = time.perf_counter()
         check_open(body.model)
         check_supported(body)
-        ids, mode = await chat_prompt(body)
-        return await generate(request, body, ids, tenant, arrived, mode)
+        held = admit(tenant, body.n)
+        with held.released_on_error():
+            ids, mode = await chat_prompt(body)
+            return await generate(request, body, ids, tenant, arrived, held, mode)
+
+    def admit(tenant: Tenant, n: int) -> ShareHeld:
+        """Take `n` sequences of the key's share, before any tokenizing or templating:
+        a key over its share gets its 429 without costing the server that work."""
+        return state.share.acquire(tenant, n)
+
+    async def prompt_only(body: ChatCompletionRequest, tenant: Tenant) -> list[int]:
+        """The prompt of a request that only looks at it (explain, count_tokens): rendered
+        under one sequence of the key's share, and refused past the model's context."""
+        with admit(tenant, 1):
+            ids, _ = await chat_prompt(body)
+        check_prompt_fits(len(ids), engine.max_context, "messages")
+        return ids
 
     async def chat_prompt(body: ChatCompletionRequest) -> tuple[list[int], ToolMode | None]:
-        """The prompt's token ids (tools rendered by the template), and how to parse the reply."""
+        """The prompt's token ids (tools rendered by the template), and how to parse the reply.
+        Callers hold the key's share (`admit`)."""
         mode = tool_mode(body, state.tools)
         messages = chat_messages(body)
         render = functools.partial(engine.apply_chat_template, tools=template_tools(body))
-        ids = await _blocking(render, messages, what="the chat template")
+        ids = await _blocking(render, messages, what="the chat template", pool=state.render)
         if mode is not None and mode.prefix:
             ids += engine.encode_continuation(mode.prefix)
         return ids, mode
@@ -310,7 +336,7 @@ def create_app(
         Hashes and looks up the prompt the request would have (tools included); never
         generates. Another key's prompts are invisible: for them the answer is "new"."""
         check_open(body.model)
-        ids, _ = await chat_prompt(body)
+        ids = await prompt_only(body, tenant)
         salt = tenant.cache_salt(body.cache_salt)
         try:
             answer = await to_thread.run_sync(
@@ -336,6 +362,8 @@ def create_app(
             model_name=state.model_name,
             check_open=check_open,
             chat_prompt=chat_prompt,
+            prompt_only=prompt_only,
+            admit=admit,
             start_generation=start_generation,
             decode=engine.decode,
             block_size=stats.cache.block_size if stats.cache is not None else None,
@@ -361,10 +389,10 @@ def _document_errors(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-async def _blocking(fn: Any, arg: Any, *, what: str) -> list[int]:
-    """Run a tokenizer call on a thread; its refusals of the input are 400s."""
+async def _blocking(fn: Any, arg: Any, *, what: str, pool: RenderPool) -> list[int]:
+    """Run a tokenizer call on the render pool; its refusals of the input are 400s."""
     try:
-        return list(await to_thread.run_sync(fn, arg))
+        return list(await pool.run(fn, arg))
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise bad_request(f"{what} refused the input: {exc}") from exc
     except Exception as exc:

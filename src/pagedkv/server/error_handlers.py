@@ -5,6 +5,7 @@ errors become 400s that name the field as a JSON path."""
 from __future__ import annotations
 
 import logging
+import traceback
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,13 +48,43 @@ def add_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} is not allowed on {request.url.path}"
         return render(request, APIError(exc.status_code, message, headers=exc.headers))
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, exc: RecursionError) -> Response:
+        # The request limits cap nesting before any route recurses (server/nesting.py);
+        # this catches what slips past them, as a 400 with no traceback in the log.
+        log.warning(
+            "%s %s: RecursionError (input nested too deeply)", request.method, request.url.path
+        )
+        return render(
+            request,
+            bad_request(
+                "the request nests too deeply to be served; flatten it", code="nesting_too_deep"
+            ),
+        )
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        log.error(
+            "unhandled error on %s %s:\n%s", request.method, request.url.path, _short_trace(exc)
+        )
         error = APIError(
             500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
         )
         return render(request, error)
+
+
+MAX_TRACE_CHARS = 8000  # a RecursionError's traceback is ~600 KB of one repeated frame
+
+
+def _short_trace(exc: BaseException) -> str:
+    """The traceback of `exc`, its middle cut when long: the head says where the request
+    entered, the tail where it failed."""
+    text = "".join(traceback.format_exception(exc))
+    if len(text) <= MAX_TRACE_CHARS:
+        return text
+    head, tail = MAX_TRACE_CHARS // 4, MAX_TRACE_CHARS * 3 // 4
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[... {cut} characters of traceback cut ...]\n{text[-tail:]}"
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> APIError:

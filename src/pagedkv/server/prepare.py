@@ -135,12 +135,9 @@ def check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> N
             )
 
 
-def max_new_tokens(body: _SamplingRequest, num_prompt: int, max_context: int, param: str) -> int:
-    """max_tokens checked against the context; when not given, all the context left."""
-    asked = body.max_tokens
-    asked_param = "max_tokens"
-    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        asked, asked_param = body.max_completion_tokens, "max_completion_tokens"
+def check_prompt_fits(num_prompt: int, max_context: int, param: str) -> None:
+    """Refuse an empty prompt, and one that leaves no room in the context to generate
+    (explain and count_tokens too: no request could be served with it)."""
     if num_prompt == 0:
         raise bad_request("the prompt is empty", param)
     if num_prompt >= max_context:
@@ -152,6 +149,15 @@ def max_new_tokens(body: _SamplingRequest, num_prompt: int, max_context: int, pa
             param=param,
             code="context_length_exceeded",
         )
+
+
+def max_new_tokens(body: _SamplingRequest, num_prompt: int, max_context: int, param: str) -> int:
+    """max_tokens checked against the context; when not given, all the context left."""
+    asked = body.max_tokens
+    asked_param = "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        asked, asked_param = body.max_completion_tokens, "max_completion_tokens"
+    check_prompt_fits(num_prompt, max_context, param)
     room = max_context - num_prompt
     if asked is None:
         return room

@@ -24,8 +24,10 @@ from pagedkv.server.anthropic.protocol import (
     MessagesRequest,
 )
 from pagedkv.server.anthropic.render import AnthropicReply, ReplyOptions
+from pagedkv.server.auth import Tenant
 from pagedkv.server.authn import TenantDep
 from pagedkv.server.generation import Generation
+from pagedkv.server.limits import ShareHeld
 from pagedkv.server.protocol import ChatCompletionRequest
 from pagedkv.server.tools.output import ToolMode
 
@@ -40,6 +42,7 @@ STREAMS: dict[int | str, dict[str, Any]] = {
     },
 }
 ChatPrompt = Callable[[ChatCompletionRequest], Awaitable[tuple[list[int], ToolMode | None]]]
+PromptOnly = Callable[[ChatCompletionRequest, Tenant], Awaitable[list[int]]]
 StartGeneration = Callable[..., Awaitable[Generation]]
 
 
@@ -47,8 +50,10 @@ StartGeneration = Callable[..., Awaitable[Generation]]
 class MessagesContext:
     model_name: str
     check_open: Callable[[str | None], None]
-    chat_prompt: ChatPrompt
-    start_generation: StartGeneration  # (request, body, ids, tenant, arrived, tools)
+    chat_prompt: ChatPrompt  # the caller holds the key's share
+    prompt_only: PromptOnly  # takes the share itself; refuses prompts past the context
+    admit: Callable[[Tenant, int], ShareHeld]
+    start_generation: StartGeneration  # (request, body, ids, tenant, arrived, held, tools)
     decode: Callable[[Sequence[int]], str]
     block_size: int | None
 
@@ -58,9 +63,11 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
     async def messages(request: Request, body: MessagesRequest, tenant: TenantDep) -> Response:
         arrived = time.perf_counter()
         ctx.check_open(body.model)
-        chat = to_chat_request(body)
-        ids, mode = await ctx.chat_prompt(chat)
-        gen = await ctx.start_generation(request, chat, ids, tenant, arrived, mode)
+        held = ctx.admit(tenant, 1)
+        with held.released_on_error():
+            chat = to_chat_request(body)
+            ids, mode = await ctx.chat_prompt(chat)
+            gen = await ctx.start_generation(request, chat, ids, tenant, arrived, held, mode)
         options = ReplyOptions(
             model=ctx.model_name,
             tools=mode,
@@ -81,5 +88,5 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], responses=ERRORS)
     async def count_tokens(body: CountTokensRequest, tenant: TenantDep) -> Response:
         ctx.check_open(body.model)
-        ids, _ = await ctx.chat_prompt(to_chat_request(body))
+        ids = await ctx.prompt_only(to_chat_request(body), tenant)
         return JSONResponse({"input_tokens": len(ids)})

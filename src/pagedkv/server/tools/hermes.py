@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+from pagedkv.server import nesting
 from pagedkv.server.tools.calls import ParsedOutput, ToolCall, ToolCallParser, call_from_json, plain
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -22,8 +23,8 @@ class HermesParser(ToolCallParser):
         calls: list[ToolCall] = []
         for match in _CALL.finditer(text):
             try:
-                obj = json.loads(match.group(1).strip())
-            except json.JSONDecodeError:
+                obj = nesting.loads(match.group(1).strip())
+            except ValueError:  # bad JSON, or nested past MAX_JSON_DEPTH
                 return plain(text)
             call = call_from_json(obj, ("arguments", "parameters"))
             if call is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from pagedkv.server import nesting
 from pagedkv.server.tools.calls import ParsedOutput, ToolCall, ToolCallParser, call_from_json, plain
 
 PYTHON_TAG = "<|python_tag|>"
@@ -25,8 +26,8 @@ class Llama3JsonParser(ToolCallParser):
         at = 0
         while at < len(body):
             try:
-                obj, end = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
+                obj, end = nesting.raw_decode(decoder, body, at)
+            except ValueError:  # bad JSON, or nested past MAX_JSON_DEPTH
                 return plain(text)
             call = call_from_json(obj, ("parameters", "arguments"))
             if call is None:

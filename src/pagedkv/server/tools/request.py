@@ -3,9 +3,9 @@ reply parser take. Pure; raises `APIError(400)` naming the field."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from pagedkv.server import nesting
 from pagedkv.server.http_errors import bad_request
 from pagedkv.server.protocol import ChatCompletionRequest, ToolCallIn
 from pagedkv.server.tools.output import ToolMode
@@ -54,12 +54,13 @@ def tool_mode(body: ChatCompletionRequest, support: ToolSupport) -> ToolMode | N
 
 def history_tool_calls(calls: list[ToolCallIn], param: str) -> list[dict[str, Any]]:
     """An assistant turn's calls for the template, arguments decoded (templates write
-    them with `tojson`, so a string would be quoted twice)."""
+    them with `tojson`, so a string would be quoted twice). Decoded within
+    `nesting.MAX_JSON_DEPTH`, like the body: the body's own walk sees only a string."""
     out = []
     for k, call in enumerate(calls):
         try:
-            args = json.loads(call.function.arguments)
-        except json.JSONDecodeError as exc:
+            args = nesting.loads(call.function.arguments)
+        except ValueError as exc:  # bad JSON (JSONDecodeError) or too deep (NestingError)
             raise bad_request(
                 f"{param}[{k}].function.arguments is not JSON: {exc}",
                 f"{param}[{k}].function.arguments",
