@@ -1,6 +1,7 @@
 """The app's exception handlers: every error is JSON in the shape of the API its path
 belongs to (OpenAI's, or Anthropic's under /v1/messages), and pydantic's validation
-errors become 400s that name the field as a JSON path."""
+errors become 400s that name the field as a JSON path. Unhandled exceptions are not
+handled here but in `server/middleware.py` (`RequestIdMiddleware`)."""
 
 from __future__ import annotations
 
@@ -47,13 +48,8 @@ def add_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} is not allowed on {request.url.path}"
         return render(request, APIError(exc.status_code, message, headers=exc.headers))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        error = APIError(
-            500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
-        )
-        return render(request, error)
+    # An exception no handler here takes (a bug) is answered and logged, once, by
+    # `middleware.RequestIdMiddleware`, which knows the request id.
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> APIError:
