@@ -91,7 +91,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=RequestLimits(args.max_messages, args.max_content_chars),
         max_requests_per_key=per_key or None,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+        header_timeout=args.header_timeout,
         receive_timeout=args.receive_timeout,
+        metrics_keys=list(args.metrics_key or []),
         keys_on_command_line=args.keys_on_command_line,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
@@ -141,13 +144,28 @@ def _add_server_limit_flags(serve: argparse.ArgumentParser) -> None:
         "--max-connections",
         type=int,
         default=int(env("--max-connections", 1024)),
-        help="open connections at once; requests past it get 503 (default 1024)",
+        help="open connections at once; requests past it get 503, except /health and "
+        "/metrics (default 1024)",
+    )
+    serve.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=_optional_int(env("--max-connections-per-client")),
+        help="open connections one client address may hold; more are refused with 503 "
+        "(default: a quarter of --max-connections; 0: no cap, e.g. behind a proxy)",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=float(env("--header-timeout", 10.0)),
+        help="seconds a client has to send a request's headers; slower ones are "
+        "disconnected (default 10; at most --receive-timeout)",
     )
     serve.add_argument(
         "--receive-timeout",
         type=float,
         default=float(env("--receive-timeout", 30.0)),
-        help="seconds a client has to send a whole request; slower ones are "
+        help="seconds a client has to send a whole request, body included; slower ones are "
         "disconnected (default 30)",
     )
 
@@ -223,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-keys-file",
         default=env("--admin-keys-file"),
         help="file with one admin key per line",
+    )
+    serve.add_argument(
+        "--metrics-key",
+        action=_KeyFlag,
+        default=[k for k in str(env("--metrics-key", "")).split(",") if k],
+        help="a key that may read /metrics and nothing else (repeatable; prefer "
+        "PAGEDKV_METRICS_KEY); with API keys, /metrics needs this or an admin key",
     )
     serve.add_argument(
         "--tool-call-parser",

@@ -306,7 +306,7 @@ class DeepFailure(FakeEngine):
 def test_a_recursion_error_anywhere_is_a_400_and_a_500_s_traceback_is_cut(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from pagedkv.server.error_handlers import MAX_TRACE_CHARS
+    from pagedkv.server.middleware import MAX_TRACE_CHARS
 
     client = TestClient(create_app(DeepFailure(RecursionError)), raise_server_exceptions=False)
     with caplog.at_level(logging.INFO):

@@ -11,9 +11,12 @@ Keys: when none are configured the server is single-user: every caller is the
 one (admin) tenant. When keys are configured, every /v1 endpoint needs one,
 checked from the headers before the body is read (`server/authn.py`); only the
 keys named as admin keys may clear the cache or see the global statistics.
-/health and /metrics stay open for orchestrators and scrapers (they show only
-aggregate counts). Limits on a request's messages and text and on each key's
-running requests are in `server/limits.py`.
+/health stays open for orchestrators; /metrics, which shows every tenant's
+traffic, needs a metrics key or an admin key, and /docs and /openapi.json any key.
+Errors whose text pagedkv did not write reach the client as a generic message
+with the request id (`x-request-id`); the detail goes to the log. Limits on a
+request's messages and text and on each key's running requests are in
+`server/limits.py`.
 """
 
 from __future__ import annotations
@@ -36,10 +39,14 @@ from pagedkv.server.authn import AuthMiddleware, TenantDep
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
 from pagedkv.server.generation import Generation, Options
-from pagedkv.server.http_errors import APIError, bad_request, shutting_down
+from pagedkv.server.http_errors import APIError, bad_request, hidden_error, shutting_down
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
-from pagedkv.server.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from pagedkv.server.middleware import (
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+    RequestMetricsMiddleware,
+)
 from pagedkv.server.prepare import (
     chat_messages,
     check_prompt_fits,
@@ -113,6 +120,7 @@ def create_app(
     max_requests_per_key: int | None = None,
     model_name: str | None = None,
     tool_call_parser: str | None = None,
+    metrics_keys: Iterable[str] = (),
 ) -> FastAPI:
     """An app serving `engine` (a `pagedkv.Engine`, or anything with its `EngineAPI`).
 
@@ -123,6 +131,7 @@ def create_app(
     (default: the engine's); requests may also name the engine's own name, or
     leave `model` out. `tool_call_parser` names the tool-call format
     (`pagedkv.server.tools.PARSERS`) when the chat template does not make it clear.
+    `metrics_keys` may read /metrics, as admin keys may (`server/authn.py`).
     """
     state = ServerState(
         engine=engine,
@@ -141,8 +150,11 @@ def create_app(
         RequestLimitsMiddleware, limits=limits or RequestLimits(), error_body=error_body
     )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, error_body=error_body)
-    app.add_middleware(AuthMiddleware, keys=state.keys, error_body=error_body)
+    app.add_middleware(
+        AuthMiddleware, keys=state.keys, error_body=error_body, metrics_keys=KeyRing(metrics_keys)
+    )
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(RequestIdMiddleware, error_body=error_body)
     add_error_handlers(app)
 
     def check_open(model: str | None) -> None:
@@ -390,12 +402,25 @@ def _document_errors(app: FastAPI) -> None:
 
 
 async def _blocking(fn: Any, arg: Any, *, what: str, pool: RenderPool) -> list[int]:
-    """Run a tokenizer call on the render pool; its refusals of the input are 400s."""
+    """Run a tokenizer call on the render pool; its refusals of the input are 400s. Only
+    a chat template's own `raise_exception()` message (the model author's words about
+    the messages) reaches the client; the tokenizer's and jinja2's own texts can
+    name internals and go to the log."""
     try:
         return list(await pool.run(fn, arg))
     except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise bad_request(f"{what} refused the input: {exc}") from exc
+        raise hidden_error(400, f"{what} could not encode the input", exc) from exc
     except Exception as exc:
-        if type(exc).__module__.startswith("jinja2"):  # the template's raise_exception()
+        if _raised_by_template(exc):
             raise bad_request(f"{what} refused the messages: {exc}", "messages") from exc
+        if type(exc).__module__.startswith("jinja2"):
+            message = f"{what} could not render the messages"
+            raise hidden_error(400, message, exc, param="messages") from exc
         raise
+
+
+def _raised_by_template(exc: Exception) -> bool:
+    """transformers' `raise_exception(message)` raises exactly jinja2's TemplateError."""
+    from jinja2.exceptions import TemplateError
+
+    return type(exc) is TemplateError

@@ -1,11 +1,11 @@
 """The app's exception handlers: every error is JSON in the shape of the API its path
 belongs to (OpenAI's, or Anthropic's under /v1/messages), and pydantic's validation
-errors become 400s that name the field as a JSON path."""
+errors become 400s that name the field as a JSON path. Unhandled exceptions are not
+handled here but in `server/middleware.py` (`RequestIdMiddleware`)."""
 
 from __future__ import annotations
 
 import logging
-import traceback
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,29 +62,8 @@ def add_error_handlers(app: FastAPI) -> None:
             ),
         )
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.error(
-            "unhandled error on %s %s:\n%s", request.method, request.url.path, _short_trace(exc)
-        )
-        error = APIError(
-            500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
-        )
-        return render(request, error)
-
-
-MAX_TRACE_CHARS = 8000  # a RecursionError's traceback is ~600 KB of one repeated frame
-
-
-def _short_trace(exc: BaseException) -> str:
-    """The traceback of `exc`, its middle cut when long: the head says where the request
-    entered, the tail where it failed."""
-    text = "".join(traceback.format_exception(exc))
-    if len(text) <= MAX_TRACE_CHARS:
-        return text
-    head, tail = MAX_TRACE_CHARS // 4, MAX_TRACE_CHARS * 3 // 4
-    cut = len(text) - head - tail
-    return f"{text[:head]}\n[... {cut} characters of traceback cut ...]\n{text[-tail:]}"
+    # An exception no handler here takes (a bug) is answered and logged, once, by
+    # `middleware.RequestIdMiddleware`, which knows the request id.
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> APIError:

@@ -15,7 +15,7 @@ from starlette.types import Receive
 
 from pagedkv.engine.request import GenerationResult, StreamEvent
 from pagedkv.server.event_pump import EventPump
-from pagedkv.server.http_errors import APIError, from_engine_error
+from pagedkv.server.http_errors import REQUEST_ID, APIError, from_engine_error
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.tools.output import ToolMode, ToolStream, tool_call_deltas, tool_calls_json
 
@@ -280,9 +280,11 @@ class Generation:
             self.close("rejected" if exc.status < 500 else "cancelled")
             yield _sse(exc.body())
         except Exception as exc:  # headers are sent: the error travels in the stream
-            log.exception("%s: stream failed", self.id)
+            request_id = REQUEST_ID.get()
+            log.exception("request %s (%s): stream failed", request_id, self.id)
             self.close("error")
-            yield _sse(APIError(500, f"internal error: {type(exc).__name__}").body())
+            message = f"internal error: {type(exc).__name__} (request id {request_id})"
+            yield _sse(APIError(500, message, type="server_error").body())
         finally:
             self.close()
         yield b"data: [DONE]\n\n"
