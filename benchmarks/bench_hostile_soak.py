@@ -53,6 +53,10 @@ KEYS = {"alpha": "alpha-key", "beta": "beta-key", "mallory": "mallory-key", "adm
 URL_RE = re.compile(r"serving on (http://127\.0\.0\.1:\d+)")
 MAX_CONNECTIONS = 64
 MAX_BODY_BYTES = 2 * 1024 * 1024
+NORMAL_ADDRESS = "127.0.0.1"  # the two normal keys' host
+ATTACKER_ADDRESS = "127.0.0.3"  # mallory's requests
+HOG_ADDRESS = "127.0.0.2"  # the half-sent requests
+PROBE_ADDRESS = "127.0.0.4"  # the orchestrator asking /health
 SECRET_WORDS = "the vault code is periwinkle elephant seventeen under the blue stair"
 RSS_SLACK_BYTES = 256 * 2**20  # allocator and interpreter slack on top of the budgets
 REQUEST_MEMORY_FACTOR = 4  # a body's bytes, its parse in the limits check and FastAPI's
@@ -132,9 +136,11 @@ def start_server(
     raise RuntimeError(f"the server did not start:\n{log_path.read_text(errors='replace')[-4000:]}")
 
 
-def client(url: str, key: str | None, timeout: float = 60.0) -> httpx.Client:
+def client(url: str, key: str | None, source: str = NORMAL_ADDRESS) -> httpx.Client:
+    """A client from `source`, one of the loopback addresses that stand for hosts."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=url, headers=headers, timeout=timeout)
+    transport = httpx.HTTPTransport(local_address=source)
+    return httpx.Client(base_url=url, headers=headers, timeout=60.0, transport=transport)
 
 
 def normal_traffic(url: str, who: str, stop: threading.Event, tally: Tally, phase: str) -> None:
@@ -167,7 +173,8 @@ def normal_traffic(url: str, who: str, stop: threading.Event, tally: Tally, phas
 def watch(url: str, pid: int, stop: threading.Event, tally: Tally) -> None:
     """/health every 0.5 s (2 s to answer) and the server's RSS."""
     proc = psutil.Process(pid)
-    with httpx.Client(base_url=url, timeout=2.0) as http:
+    transport = httpx.HTTPTransport(local_address=PROBE_ADDRESS)
+    with httpx.Client(base_url=url, timeout=2.0, transport=transport) as http:
         while not stop.wait(0.5):
             try:
                 code: int | str = http.get("/health").status_code
@@ -253,7 +260,7 @@ def hostile_shapes(
 
     def sender(name: str, path: str, payload: bytes) -> Callable[[], None]:
         def run() -> None:
-            with client(url, KEYS["mallory"]) as http:
+            with client(url, KEYS["mallory"], ATTACKER_ADDRESS) as http:
                 while not stop.is_set():
                     try:
                         r = http.post(
@@ -280,7 +287,7 @@ def explain_walk(url: str, stop: threading.Event, tally: Tally) -> None:
     attacker asks explain about prompts that share its start and looks for its words."""
     victim = [{"role": "user", "content": SECRET_WORDS}]
     secret_tail = SECRET_WORDS.split()[4:]
-    with client(url, KEYS["mallory"]) as http:
+    with client(url, KEYS["mallory"], ATTACKER_ADDRESS) as http:
         http.post("/v1/chat/completions", json={"messages": victim, "max_tokens": 2})
         guess = "the vault code is"
         while not stop.is_set():
@@ -297,7 +304,7 @@ def explain_walk(url: str, stop: threading.Event, tally: Tally) -> None:
 
 
 def scrape(url: str, stop: threading.Event, tally: Tally) -> None:
-    with client(url, None) as http:
+    with client(url, None, ATTACKER_ADDRESS) as http:
         while not stop.is_set():
             for path in ("/metrics", "/docs", "/openapi.json"):
                 try:
@@ -324,7 +331,9 @@ def hog_connections(url: str, stop: threading.Event, tally: Tally) -> None:
             socks = alive
             while len(socks) < MAX_CONNECTIONS and not stop.is_set():
                 try:
-                    s = socket.create_connection((host, int(port)), timeout=1)
+                    s = socket.create_connection(
+                        (host, int(port)), timeout=1, source_address=(HOG_ADDRESS, 0)
+                    )
                     s.sendall(head)
                     socks.append(s)
                 except OSError:
