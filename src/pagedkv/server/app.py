@@ -57,6 +57,7 @@ from pagedkv.server.protocol import (
     HealthResponse,
     ModelList,
 )
+from pagedkv.server.sections import request_section
 from pagedkv.server.tenants import TenantLedger
 from pagedkv.server.tools import ToolSupport, tool_support
 from pagedkv.server.tools.output import ToolMode
@@ -308,9 +309,11 @@ def create_app(
     async def cache_explain(body: ChatCompletionRequest, tenant: TenantDep) -> Response:
         """What this chat request would reuse from the cache if sent now, and why not more.
         Hashes and looks up the prompt the request would have (tools included); never
-        generates. Another key's prompts are invisible: for them the answer is "new"."""
+        generates. Another key's prompts are invisible: for them the answer is "new".
+        Positions, reasons and this request's own text only (docs/security.md); the
+        miss's section is found in this request's messages."""
         check_open(body.model)
-        ids, _ = await chat_prompt(body)
+        ids, mode = await chat_prompt(body)
         salt = tenant.cache_salt(body.cache_salt)
         try:
             answer = await to_thread.run_sync(
@@ -318,7 +321,12 @@ def create_app(
             )
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from exc
-        return JSONResponse(answer.to_json())
+        out = answer.to_json()
+        if answer.miss is not None:
+            where = functools.partial(request_section, engine, body, ids, mode)
+            section = await to_thread.run_sync(where, answer.miss.token_index)
+            out["miss"]["section"] = section.to_json() if section is not None else None
+        return JSONResponse(out)
 
     @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})
     async def cache_clear(tenant: TenantDep) -> Response:
