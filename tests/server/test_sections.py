@@ -106,13 +106,20 @@ def test_the_start_of_a_reply_the_server_appends_is_reply_prefix() -> None:
     assert found == PromptSection("reply_prefix")
 
 
-def test_the_number_of_renders_is_logarithmic() -> None:
+def test_one_or_two_renders_for_even_turns_and_logarithmic_for_any() -> None:
     render = Renderer(TINY_CHAT_TEMPLATE)
-    for k in (1, 40, 127):
-        ours = chat(128)
-        ours[k] = {**ours[k], "content": "changed"}
-        assert where(render, chat(128), ours) == PromptSection("message", k, ours[k]["role"])
-        assert render.calls <= 2 * 7 + 1  # 2 * log2(128) + 1
+    even, skewed = chat(128), chat(128)
+    skewed[1] = {**skewed[1], "content": "a long document " * 400}  # the guess is far off
+    for earlier in (even, skewed):
+        calls = {}
+        for k in (0, 1, 40, 100, 126, 127):
+            ours = [*earlier[:k], {**earlier[k], "content": "changed"}, *earlier[k + 1 :]]
+            want = PromptSection("system" if k == 0 else "message", k, ours[k]["role"])
+            assert where(render, earlier, ours) == want
+            calls[k] = render.calls
+        assert max(calls.values()) <= 2 * 7 + 1, calls  # 2 * log2(128) + 1
+        if earlier is even:  # tokens follow characters: the guess or its neighbour
+            assert max(calls.values()) <= 2, calls
 
 
 def test_a_template_that_refuses_every_prefix_gives_no_section() -> None:

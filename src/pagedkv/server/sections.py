@@ -8,10 +8,11 @@ lookup (docs/security.md, "What explain shows to whom").
 The chat template owns the layout, so the section is found by rendering it again,
 not by parsing its output: message k-1 ends where the prompt of `messages[:k]`
 stops agreeing with the whole prompt (`_boundary`), and the first k whose boundary
-passes the position is found by a galloping search from k = 1: O(log k) renders
-of the first 2k messages at most, so a miss in the system prompt (the common
-case: a timestamp) costs a render or two of it, and any miss at most
-2*log2(len(messages)) + 1 renders (+1 for the tools). Rejected: locating each
+passes the position is found by galloping outward from a guess (`_guess`: tokens
+taken as proportional to each message's characters), then bisecting: usually one
+or two renders (the guess and its neighbour; a miss in the system prompt, the
+common case, renders only the first messages), and at most
+2*log2(len(messages)) + 1 for any miss (+1 for the tools). Rejected: locating each
 message's text in the rendered string, which breaks on templates that trim,
 escape or drop content, and needs character offsets the engine's API does not
 give.
@@ -26,6 +27,7 @@ again followed by an empty user turn; if that fails too the section is unknown.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -100,6 +102,15 @@ def _tools_span(
     return start, len(prompt) - tail
 
 
+def _guess(messages: Sequence[dict[str, Any]], tools: Any, index: int, num_template: int) -> int:
+    """The k whose messages[:k] probably end at or before token `index`, taking tokens
+    as proportional to the characters of each message's JSON (tools counted first)."""
+    sizes = [len(json.dumps(m, default=str)) for m in messages]
+    ends = np.cumsum(sizes) + (len(json.dumps(tools, default=str)) if tools else 0)
+    target = index / num_template * float(ends[-1])
+    return min(int(np.searchsorted(ends, target, side="right")), len(messages) - 1)
+
+
 def locate_section(
     render: Render,
     messages: Sequence[dict[str, Any]],
@@ -120,20 +131,42 @@ def locate_section(
         if span is not None and span[0] <= index < span[1]:
             return PromptSection("tools")
     n = len(messages)
-    # Invariant: boundary(lo) <= index < boundary(hi); boundary(0) is 0 and
-    # boundary(n) is num_template, known without a render.
-    lo, k = 0, 1
-    while True:
-        end = num_template if k == n else _boundary(render, messages, tools, template, k)
-        if end is None:
-            return None
-        if end > index:
-            hi = k
-            break
-        lo, k = k, min(2 * k, n)
+
+    def boundary(k: int) -> int | None:
+        if k == 0:
+            return 0
+        return num_template if k == n else _boundary(render, messages, tools, template, k)
+
+    # Find lo < hi with boundary(lo) <= index < boundary(hi) by galloping outward
+    # from a guess, then bisect.
+    k = _guess(messages, tools, index, num_template)
+    end = boundary(k)
+    if end is None:
+        return None
+    lo, hi, step = 0, n, 1
+    if end <= index:
+        lo = k
+        while k + step < n:
+            end = boundary(k + step)
+            if end is None:
+                return None
+            if end > index:
+                hi = k + step
+                break
+            lo, step = k + step, 2 * step
+    else:
+        hi = k
+        while k - step > 0:
+            end = boundary(k - step)
+            if end is None:
+                return None
+            if end <= index:
+                lo = k - step
+                break
+            hi, step = k - step, 2 * step
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        end = _boundary(render, messages, tools, template, mid)
+        end = boundary(mid)
         if end is None:
             return None
         lo, hi = (lo, mid) if end > index else (mid, hi)
