@@ -66,6 +66,7 @@ from pagedkv.server.protocol import (
     ModelList,
 )
 from pagedkv.server.render_pool import RenderPool
+from pagedkv.server.sections import request_section
 from pagedkv.server.tenants import TenantLedger
 from pagedkv.server.tools import ToolSupport, tool_support
 from pagedkv.server.tools.output import ToolMode
@@ -311,13 +312,15 @@ def create_app(
         a key over its share gets its 429 without costing the server that work."""
         return state.share.acquire(tenant, n)
 
-    async def prompt_only(body: ChatCompletionRequest, tenant: Tenant) -> list[int]:
+    async def prompt_only(
+        body: ChatCompletionRequest, tenant: Tenant
+    ) -> tuple[list[int], ToolMode | None]:
         """The prompt of a request that only looks at it (explain, count_tokens): rendered
         under one sequence of the key's share, and refused past the model's context."""
         with admit(tenant, 1):
-            ids, _ = await chat_prompt(body)
+            ids, mode = await chat_prompt(body)
         check_prompt_fits(len(ids), engine.max_context, "messages")
-        return ids
+        return ids, mode
 
     async def chat_prompt(body: ChatCompletionRequest) -> tuple[list[int], ToolMode | None]:
         """The prompt's token ids (tools rendered by the template), and how to parse the reply.
@@ -346,9 +349,11 @@ def create_app(
     async def cache_explain(body: ChatCompletionRequest, tenant: TenantDep) -> Response:
         """What this chat request would reuse from the cache if sent now, and why not more.
         Hashes and looks up the prompt the request would have (tools included); never
-        generates. Another key's prompts are invisible: for them the answer is "new"."""
+        generates. Another key's prompts are invisible: for them the answer is "new".
+        Positions, reasons and this request's own text only (docs/security.md); the
+        miss's section is found in this request's messages."""
         check_open(body.model)
-        ids = await prompt_only(body, tenant)
+        ids, mode = await prompt_only(body, tenant)
         salt = tenant.cache_salt(body.cache_salt)
         try:
             answer = await to_thread.run_sync(
@@ -356,7 +361,12 @@ def create_app(
             )
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from exc
-        return JSONResponse(answer.to_json())
+        out = answer.to_json()
+        if answer.miss is not None:
+            where = functools.partial(request_section, engine, body, ids, mode)
+            section = await to_thread.run_sync(where, answer.miss.token_index)
+            out["miss"]["section"] = section.to_json() if section is not None else None
+        return JSONResponse(out)
 
     @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})
     async def cache_clear(tenant: TenantDep) -> Response:

@@ -42,7 +42,9 @@ STREAMS: dict[int | str, dict[str, Any]] = {
     },
 }
 ChatPrompt = Callable[[ChatCompletionRequest], Awaitable[tuple[list[int], ToolMode | None]]]
-PromptOnly = Callable[[ChatCompletionRequest, Tenant], Awaitable[list[int]]]
+PromptOnly = Callable[
+    [ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]
+]
 StartGeneration = Callable[..., Awaitable[Generation]]
 
 
@@ -88,5 +90,5 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], responses=ERRORS)
     async def count_tokens(body: CountTokensRequest, tenant: TenantDep) -> Response:
         ctx.check_open(body.model)
-        ids = await ctx.prompt_only(to_chat_request(body), tenant)
+        ids, _ = await ctx.prompt_only(to_chat_request(body), tenant)
         return JSONResponse({"input_tokens": len(ids)})
