@@ -19,7 +19,7 @@ from pagedkv.engine.explain import CacheExplanation, caching_off, describe
 from pagedkv.engine.request import GenerationResult, Request, RequestStream
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.stats import EngineStats, RequestCounters, SchedulerStats
+from pagedkv.engine.stats import Accounting, EngineStats, RequestCounters, SchedulerStats
 from pagedkv.engine.worker import Worker
 from pagedkv.errors import (
     EngineClosedError,
@@ -70,6 +70,8 @@ class Engine:
         self.prefix: PrefixCache | None = None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._pending = 0
+        self._submitted = 0  # requests ever submitted, and ever taken by the worker
+        self._taken = 0
         self._lock = threading.Lock()
         self._closed = False
         self._dead: BaseException | None = None
@@ -279,6 +281,27 @@ class Engine:
             scheduling=scheduling,
         )
 
+    def accounting(self) -> Accounting:
+        """The engine's books, read on the worker thread between two steps; a soak
+        asserts `balanced` (no leaked slot or reservation) once traffic stops."""
+
+        def read() -> Accounting:
+            sched = self._worker.scheduler
+            scheduled = {id(s.request) for s in [*sched.running, *sched.waiting]}
+            with self._lock:
+                pending, queued = self._pending, self._submitted - self._taken
+            return Accounting(
+                pending_requests=pending,
+                queued_requests=queued,
+                scheduled_requests=len(scheduled),
+                running=len(sched.running),
+                waiting=len(sched.waiting),
+                kv_reserved_bytes=sched.reserved_tokens * self.adapter.kv_bytes_per_token,
+            )
+
+        result: Accounting = self._call(read)
+        return result
+
     def explain(
         self, prompt: str | Sequence[int], *, cache_salt: str | None = None
     ) -> CacheExplanation:
@@ -349,6 +372,7 @@ class Engine:
             if self._pending >= self.max_queue:
                 raise EngineOverloadedError(self._pending, self.max_queue)
             self._pending += 1
+            self._submitted += 1
         req = Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None)
         self._queue.put(req)
         return req
@@ -419,6 +443,8 @@ class Engine:
                 except BaseException as exc:  # handed back to the caller
                     done.put(exc)
             else:
+                with self._lock:
+                    self._taken += 1
                 self._worker.add(item)
             try:
                 item = self._queue.get_nowait()

@@ -35,7 +35,7 @@ from pagedkv.cache.hashing import HashChain
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.engine.detokenize import Detokenizer
 from pagedkv.engine.explain import describe
-from pagedkv.engine.request import Request, StreamEvent
+from pagedkv.engine.request import GenerationResult, Request, StreamEvent
 from pagedkv.engine.sampling import Sampler
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Sequence
@@ -381,13 +381,26 @@ class Worker:
 
     def _fork(self, primary: Sequence, logits: torch.Tensor) -> None:
         """The other samples of a request with n > 1: each starts from a copy of the
-        prompt's KV and a fork of its cached blocks, and samples from the same logits."""
-        count, primary.samples_to_fork = primary.samples_to_fork, 0
+        prompt's KV and a fork of its cached blocks, and samples from the same logits.
+
+        Ownership moves one sample at a time: `primary.samples_to_fork` and
+        `primary.sibling_capacity` count exactly the samples not yet handed to a
+        running sibling. A sibling takes its share only once it is built and adopted,
+        so a failure before that (building its sampler) leaves the share with the
+        primary, whose end releases it and ends the unborn samples; a failure after it
+        ends the sibling, which releases its own share. Either way the request fails
+        and nothing stays reserved (rejected: building siblings before the guarded
+        path, which leaked a slot and its KV when a sampler could not be built)."""
+        count = primary.samples_to_fork
         share = primary.sibling_capacity // count
-        primary.sibling_capacity = 0
         prompt = primary.tokens[: primary.num_prompt_tokens]
         for index in range(1, count + 1):
+            if primary.request.failed:
+                return  # the rest are cancelled with the request when the primary ends
+            # Raises to `step`, which fails the primary: it still owns this share.
             sib = self._sequence(primary.request, index, list(prompt), primary.max_tokens)
+            primary.samples_to_fork -= 1
+            primary.sibling_capacity -= share
             sib.capacity, sib.num_computed = share, primary.num_computed
             sib.cached_tokens, sib.tier_hits = primary.cached_tokens, dict(primary.tier_hits)
             sib.admitted = sib.prompt_cached = True
@@ -431,14 +444,15 @@ class Worker:
         if not req.failed:
             req.events.put(StreamEvent([], "", finished=True, result=result, index=seq.index))
         req.num_open -= 1
-        for index in range(1, seq.samples_to_fork + 1):  # samples it never forked
-            unborn = self._sequence(req, index, list(req.prompt), 0)
-            unborn.finish_reason = "cancelled"
+        # Samples it never forked: the last ones (siblings are forked in index order).
+        # Their results are built here, not through a Sequence: nothing on this path may
+        # raise, or the request would never be reported done.
+        first_unborn = req.params.n - seq.samples_to_fork
+        for index in range(first_unborn, req.params.n):
             req.num_open -= 1
             if not req.failed:
-                req.events.put(
-                    StreamEvent([], "", finished=True, result=unborn.result(), index=index)
-                )
+                unborn = _unborn_result(req, index)
+                req.events.put(StreamEvent([], "", finished=True, result=unborn, index=index))
         seq.samples_to_fork = 0
         if req.num_open <= 0:
             self.on_request_done(req)
@@ -450,6 +464,21 @@ class Worker:
                 self._fail(seq, exc)
             except Exception:  # keep going: every caller must hear the end
                 log.exception("ending a request failed")
+
+
+def _unborn_result(req: Request, index: int) -> GenerationResult:
+    """The result of sample `index`, cancelled before it was forked."""
+    return GenerationResult(
+        text="",
+        token_ids=[],
+        prompt_tokens=len(req.prompt),
+        cached_tokens=0,
+        ttft_s=0.0,
+        finish_reason="cancelled",
+        total_s=time.perf_counter() - req.submitted,
+        logprobs=[] if req.params.logprobs else None,
+        index=index,
+    )
 
 
 def _copy_cache(cache: Any) -> Any:
