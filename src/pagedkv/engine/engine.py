@@ -198,11 +198,12 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> GenerationResult:
         """The finished request (`params.n` must be 1; see `generate_n`)."""
         if params is not None and params.n != 1:
             raise ValueError(f"generate returns one sample, n is {params.n}: use generate_n")
-        return self.generate_n(prompt, params, cache_salt=cache_salt)[0]
+        return self.generate_n(prompt, params, cache_salt=cache_salt, owner=owner)[0]
 
     def generate_n(
         self,
@@ -210,10 +211,11 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> list[GenerationResult]:
         """The `params.n` samples of one request, by index."""
         results: dict[int, GenerationResult] = {}
-        for event in self.stream(prompt, params, cache_salt=cache_salt):
+        for event in self.stream(prompt, params, cache_salt=cache_salt, owner=owner):
             if event.finished:
                 assert event.result is not None
                 results[event.index] = event.result
@@ -227,13 +229,17 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> RequestStream:
-        """Events as tokens are generated. `cancel()` or `close()` ends the request."""
+        """Events as tokens are generated. `cancel()` or `close()` ends the request.
+        `owner` names who sent it (the server passes the API key's tenant): when the
+        head of the waiting queue cannot start, other owners' requests may start
+        before it, in turn (see `Scheduler`); requests of one owner keep their order."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
             ids = _check_ids(prompt, self.vocab_size)
-        return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt))
+        return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt, owner))
 
     def chat(
         self,
@@ -241,8 +247,10 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> GenerationResult:
-        return self.generate(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+        ids = self.apply_chat_template(messages)
+        return self.generate(ids, params, cache_salt=cache_salt, owner=owner)
 
     def chat_stream(
         self,
@@ -250,8 +258,10 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> RequestStream:
-        return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+        ids = self.apply_chat_template(messages)
+        return self.stream(ids, params, cache_salt=cache_salt, owner=owner)
 
     def num_active_requests(self) -> int:
         with self._lock:
@@ -354,7 +364,9 @@ class Engine:
 
     # -- caller side --------------------------------------------------------
 
-    def _submit(self, ids: list[int], params: SamplingParams, salt: str | None) -> Request:
+    def _submit(
+        self, ids: list[int], params: SamplingParams, salt: str | None, owner: str | None
+    ) -> Request:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(ids) >= self.max_context:
@@ -373,7 +385,7 @@ class Engine:
                 raise EngineOverloadedError(self._pending, self.max_queue)
             self._pending += 1
             self._submitted += 1
-        req = Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None)
+        req = Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None, owner=owner)
         self._queue.put(req)
         return req
 

@@ -141,11 +141,12 @@ class Worker:
             ))  # fmt: skip
 
     def _next_to_admit(self) -> Sequence | None:
-        seq = self.scheduler.next_to_admit()
-        if seq is None and self.spares and self.scheduler.waiting:
-            self._drop_spares()  # memory for a sequence before buffers for later ones
-            seq = self.scheduler.next_to_admit()
-        return seq
+        sched = self.scheduler
+        if self.spares and sched.waiting and not sched.head_fits():
+            # Memory for the head before buffers for later ones, and before another
+            # owner's sequence starts ahead of it.
+            self._drop_spares()
+        return sched.next_to_admit()
 
     def _kv_buffer(self, seq: Sequence) -> torch.Tensor:
         """A KV buffer for `seq.capacity` tokens (reserved by the caller): a spare of
