@@ -113,7 +113,12 @@ class Engine:
         self.prefix = self._build_prefix_cache()
         budget = self.config.kv_budget_bytes
         self.kv_budget_bytes = default_kv_budget_bytes() if budget is None else budget
-        scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // adapter.kv_bytes_per_token)
+        per_token = adapter.kv_bytes_per_token
+        snapshots = self.prefix.snapshots if self.prefix is not None else None
+        # Room for the one recurrent-state snapshot a running sequence may hold
+        # (`Worker._keep_snapshot`), in tokens of KV: it counts in the same budget.
+        snapshot_tokens = -(-snapshots.nbytes // per_token) if snapshots is not None else 0
+        scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // per_token, snapshot_tokens)
         self._worker = Worker(adapter, self.prefix, scheduler, self._request_done)
         # The first forward in a thread is slow: pay it here, not in the first request.
         adapter.warmup()
@@ -375,7 +380,8 @@ class Engine:
                 f"{self.max_context}: shorten it"
             )
         answer = min(params.max_tokens, self.max_context - len(ids))
-        need = (len(ids) + answer) * params.n * self.adapter.kv_bytes_per_token
+        snapshot = self._worker.scheduler.snapshot_tokens
+        need = (len(ids) + answer + snapshot) * params.n * self.adapter.kv_bytes_per_token
         if need > self.kv_budget_bytes:
             raise RequestTooLargeError(len(ids), answer, params.n, need, self.kv_budget_bytes)
         with self._lock:

@@ -53,7 +53,9 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Waiting and running sequences, and the KV budget of the running ones.
+    """Waiting and running sequences, and the KV budget of the running ones: their
+    KV reservations and, for models with recurrent layers, room for the one state
+    snapshot each may hold (`snapshot_tokens`).
 
     Order: decoding sequences always run (one token each), so a prefill never
     stalls them for more than one step; prefill chunks fill what the step's
@@ -76,9 +78,15 @@ class Scheduler:
     stream of small requests could starve a large one for ever).
     """
 
-    def __init__(self, config: SchedulerConfig, budget_tokens: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, budget_tokens: int, snapshot_tokens: int = 0
+    ) -> None:
         self.config = config
         self.budget_tokens = budget_tokens
+        # Budget tokens one running sequence reserves for the recurrent-state snapshot it
+        # may hold (models with state layers, caching on): a snapshot's bytes in tokens
+        # of KV, rounded up. 0 for every other model.
+        self.snapshot_tokens = snapshot_tokens
         self.reserved_tokens = 0
         # Capacity of freed KV buffers the engine keeps for reuse; counted against the
         # budget like a reservation, and given up before anything waits or is preempted.
@@ -99,8 +107,9 @@ class Scheduler:
         return min(len(seq.tokens) + GROW_TOKENS, seq.final_capacity)
 
     def admission_tokens(self, seq: Sequence) -> int:
-        """KV to reserve at admission: room for `seq` and for the samples it will fork."""
-        return self.initial_capacity(seq) * (1 + seq.samples_to_fork)
+        """What to reserve at admission: KV and snapshot room for `seq` and for the
+        samples it will fork."""
+        return (self.initial_capacity(seq) + self.snapshot_tokens) * (1 + seq.samples_to_fork)
 
     def fits(self, tokens: int) -> bool:
         return self.reserved_tokens + self.spare_tokens + tokens <= self.budget_tokens

@@ -125,10 +125,10 @@ class Worker:
     def _admit(self) -> None:
         sched = self.scheduler
         while (seq := self._next_to_admit()) is not None:
-            capacity = sched.initial_capacity(seq)
-            seq.sibling_capacity = capacity * seq.samples_to_fork
-            seq.capacity = capacity
-            sched.reserve(capacity + seq.sibling_capacity)
+            capacity, state = sched.initial_capacity(seq), sched.snapshot_tokens
+            seq.sibling_capacity = (capacity + state) * seq.samples_to_fork
+            seq.capacity, seq.state_tokens = capacity, state
+            sched.reserve(capacity + state + seq.sibling_capacity)
             sched.admit(seq)
             self._start(seq)
         if not sched.running and sched.waiting:
@@ -285,11 +285,12 @@ class Worker:
                 self.cache_errors += 1
             finally:
                 handle.release()
-        if seq.capacity or seq.sibling_capacity:
-            self.scheduler.release(seq.capacity + seq.sibling_capacity)
+        held = seq.capacity + seq.state_tokens + seq.sibling_capacity
+        if held:
+            self.scheduler.release(held)
         if seq.kv is not None:
             self._keep_spare(seq.kv)
-        seq.capacity = seq.sibling_capacity = seq.num_computed = 0
+        seq.capacity = seq.state_tokens = seq.sibling_capacity = seq.num_computed = 0
         seq.kv = seq.cache = None
         seq.snapshots = {}
 
@@ -332,9 +333,7 @@ class Worker:
                 logits, seq.cache = self.adapter.forward(ids, seq.cache)
                 seq.num_computed += n
                 if every and seq.num_computed % every == 0 and seq.handle is not None:
-                    layout = self.adapter.state_layout
-                    assert layout is not None
-                    seq.snapshots[seq.num_computed] = layout.snapshot(seq.cache)
+                    self._keep_snapshot(seq)
             except Exception as exc:
                 log.exception("a forward failed")
                 self._fail(seq, exc)
@@ -342,6 +341,28 @@ class Worker:
             if seq.num_computed == len(seq.tokens):
                 out.append((seq, logits))
         return out
+
+    def _keep_snapshot(self, seq: Sequence) -> None:
+        """Snapshot `seq`'s recurrent state after its `num_computed` tokens.
+
+        A snapshot inside the request's hash chain (the prompt, and what a resumed
+        sequence had generated) goes to the snapshot store at once, under its block's
+        hash: the store's own RAM budget bounds it, and a restore uses it only once
+        that block's KV is cached too. One past the chain (decoding) has no hash yet;
+        the sequence keeps only the newest such one, for `cache_finished`, which is
+        the one the next turn of a conversation resumes from (rejected: keeping every
+        snapshot until `cache_prompt` / release, which held one per interval of the
+        prompt outside every budget: about 9.6 GiB for one 8K-token prompt of
+        Qwen3-Next shapes). So a sequence holds at most one snapshot, which its
+        reservation (`Scheduler.snapshot_tokens`) covers."""
+        layout, handle, prefix = self.adapter.state_layout, seq.handle, self.prefix
+        assert layout is not None and handle is not None and prefix is not None
+        store = prefix.snapshots
+        assert store is not None
+        state = layout.snapshot(seq.cache)
+        if store.put_prefix(handle.chain, seq.num_computed, prefix.block_size, state):
+            return
+        seq.snapshots = {seq.num_computed: state}
 
     def _snapshot_every(self) -> int:
         """Tokens between recurrent-state snapshots; 0 when none are taken."""
@@ -356,7 +377,7 @@ class Worker:
             if seq.handle is not None:
                 try:  # after the first token, not before: nothing here is needed for it
                     seq.handle.cache_prompt(self._kv_source(seq), seq.snapshots)
-                    seq.snapshots = {}  # all within the prompt, and stored now
+                    seq.snapshots = {}
                 except Exception:
                     log.warning("caching a prompt failed", exc_info=True)
                     self.cache_errors += 1
@@ -402,7 +423,8 @@ class Worker:
             sib = self._sequence(primary.request, index, list(prompt), primary.max_tokens)
             primary.samples_to_fork -= 1
             primary.sibling_capacity -= share
-            sib.capacity, sib.num_computed = share, primary.num_computed
+            sib.state_tokens = self.scheduler.snapshot_tokens
+            sib.capacity, sib.num_computed = share - sib.state_tokens, primary.num_computed
             sib.cached_tokens, sib.tier_hits = primary.cached_tokens, dict(primary.tier_hits)
             sib.admitted = sib.prompt_cached = True
             self.scheduler.adopt(sib, primary.order)
