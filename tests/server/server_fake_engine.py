@@ -96,8 +96,9 @@ class FakeEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> GenerationResult:
-        for event in self.stream(prompt, params, cache_salt=cache_salt):
+        for event in self.stream(prompt, params, cache_salt=cache_salt, owner=owner):
             if event.finished:
                 assert event.result is not None
                 return event.result
@@ -109,6 +110,7 @@ class FakeEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> Iterator[StreamEvent]:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         params = params or SamplingParams()
@@ -124,7 +126,9 @@ class FakeEngine:
             if self.active >= self.max_queue:
                 raise EngineOverloadedError(self.active, self.max_queue)
             self.active += 1
-            self.calls.append({"ids": ids, "params": params, "cache_salt": cache_salt})
+            self.calls.append(
+                {"ids": ids, "params": params, "cache_salt": cache_salt, "owner": owner}
+            )
         return self._run(ids, params, cache_salt)
 
     def _run(

@@ -19,7 +19,7 @@ from pagedkv.engine.explain import CacheExplanation, caching_off, describe
 from pagedkv.engine.request import GenerationResult, Request, RequestStream
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.stats import EngineStats, RequestCounters, SchedulerStats
+from pagedkv.engine.stats import Accounting, EngineStats, RequestCounters, SchedulerStats
 from pagedkv.engine.worker import Worker
 from pagedkv.errors import (
     EngineClosedError,
@@ -70,6 +70,8 @@ class Engine:
         self.prefix: PrefixCache | None = None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._pending = 0
+        self._submitted = 0  # requests ever submitted, and ever taken by the worker
+        self._taken = 0
         self._lock = threading.Lock()
         self._closed = False
         self._dead: BaseException | None = None
@@ -111,7 +113,12 @@ class Engine:
         self.prefix = self._build_prefix_cache()
         budget = self.config.kv_budget_bytes
         self.kv_budget_bytes = default_kv_budget_bytes() if budget is None else budget
-        scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // adapter.kv_bytes_per_token)
+        per_token = adapter.kv_bytes_per_token
+        snapshots = self.prefix.snapshots if self.prefix is not None else None
+        # Room for the one recurrent-state snapshot a running sequence may hold
+        # (`Worker._keep_snapshot`), in tokens of KV: it counts in the same budget.
+        snapshot_tokens = -(-snapshots.nbytes // per_token) if snapshots is not None else 0
+        scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // per_token, snapshot_tokens)
         self._worker = Worker(adapter, self.prefix, scheduler, self._request_done)
         # The first forward in a thread is slow: pay it here, not in the first request.
         adapter.warmup()
@@ -196,11 +203,12 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> GenerationResult:
         """The finished request (`params.n` must be 1; see `generate_n`)."""
         if params is not None and params.n != 1:
             raise ValueError(f"generate returns one sample, n is {params.n}: use generate_n")
-        return self.generate_n(prompt, params, cache_salt=cache_salt)[0]
+        return self.generate_n(prompt, params, cache_salt=cache_salt, owner=owner)[0]
 
     def generate_n(
         self,
@@ -208,10 +216,11 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> list[GenerationResult]:
         """The `params.n` samples of one request, by index."""
         results: dict[int, GenerationResult] = {}
-        for event in self.stream(prompt, params, cache_salt=cache_salt):
+        for event in self.stream(prompt, params, cache_salt=cache_salt, owner=owner):
             if event.finished:
                 assert event.result is not None
                 results[event.index] = event.result
@@ -225,13 +234,17 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> RequestStream:
-        """Events as tokens are generated. `cancel()` or `close()` ends the request."""
+        """Events as tokens are generated. `cancel()` or `close()` ends the request.
+        `owner` names who sent it (the server passes the API key's tenant): when the
+        head of the waiting queue cannot start, other owners' requests may start
+        before it, in turn (see `Scheduler`); requests of one owner keep their order."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
             ids = _check_ids(prompt, self.vocab_size)
-        return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt))
+        return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt, owner))
 
     def chat(
         self,
@@ -239,8 +252,10 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> GenerationResult:
-        return self.generate(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+        ids = self.apply_chat_template(messages)
+        return self.generate(ids, params, cache_salt=cache_salt, owner=owner)
 
     def chat_stream(
         self,
@@ -248,8 +263,10 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> RequestStream:
-        return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+        ids = self.apply_chat_template(messages)
+        return self.stream(ids, params, cache_salt=cache_salt, owner=owner)
 
     def num_active_requests(self) -> int:
         with self._lock:
@@ -278,6 +295,27 @@ class Engine:
             cache=self.prefix.stats() if self.prefix is not None else None,
             scheduling=scheduling,
         )
+
+    def accounting(self) -> Accounting:
+        """The engine's books, read on the worker thread between two steps; a soak
+        asserts `balanced` (no leaked slot or reservation) once traffic stops."""
+
+        def read() -> Accounting:
+            sched = self._worker.scheduler
+            scheduled = {id(s.request) for s in [*sched.running, *sched.waiting]}
+            with self._lock:
+                pending, queued = self._pending, self._submitted - self._taken
+            return Accounting(
+                pending_requests=pending,
+                queued_requests=queued,
+                scheduled_requests=len(scheduled),
+                running=len(sched.running),
+                waiting=len(sched.waiting),
+                kv_reserved_bytes=sched.reserved_tokens * self.adapter.kv_bytes_per_token,
+            )
+
+        result: Accounting = self._call(read)
+        return result
 
     def explain(
         self, prompt: str | Sequence[int], *, cache_salt: str | None = None
@@ -331,7 +369,9 @@ class Engine:
 
     # -- caller side --------------------------------------------------------
 
-    def _submit(self, ids: list[int], params: SamplingParams, salt: str | None) -> Request:
+    def _submit(
+        self, ids: list[int], params: SamplingParams, salt: str | None, owner: str | None
+    ) -> Request:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(ids) >= self.max_context:
@@ -340,7 +380,8 @@ class Engine:
                 f"{self.max_context}: shorten it"
             )
         answer = min(params.max_tokens, self.max_context - len(ids))
-        need = (len(ids) + answer) * params.n * self.adapter.kv_bytes_per_token
+        snapshot = self._worker.scheduler.snapshot_tokens
+        need = (len(ids) + answer + snapshot) * params.n * self.adapter.kv_bytes_per_token
         if need > self.kv_budget_bytes:
             raise RequestTooLargeError(len(ids), answer, params.n, need, self.kv_budget_bytes)
         with self._lock:
@@ -349,7 +390,8 @@ class Engine:
             if self._pending >= self.max_queue:
                 raise EngineOverloadedError(self._pending, self.max_queue)
             self._pending += 1
-        req = Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None)
+            self._submitted += 1
+        req = Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None, owner=owner)
         self._queue.put(req)
         return req
 
@@ -419,6 +461,8 @@ class Engine:
                 except BaseException as exc:  # handed back to the caller
                     done.put(exc)
             else:
+                with self._lock:
+                    self._taken += 1
                 self._worker.add(item)
             try:
                 item = self._queue.get_nowait()

@@ -57,12 +57,14 @@ class StreamEvent:
 
 @dataclass
 class Request:
-    """A submitted request: prompt ids, sampling, cache extras, and the queue the
-    worker puts its events on. `cancelled` may be set from any thread."""
+    """A submitted request: prompt ids, sampling, cache extras, who sent it (`owner`,
+    for fair admission; None: no one in particular), and the queue the worker puts
+    its events on. `cancelled` may be set from any thread."""
 
     prompt: list[int]
     params: SamplingParams
     extra: ExtraKeys | None
+    owner: str | None = None
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

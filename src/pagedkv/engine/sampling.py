@@ -7,12 +7,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The seeds torch.Generator.manual_seed accepts (a signed or an unsigned 64-bit int).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 are off.
     `n` samples share the prompt's KV and decode side by side; sample i draws from
-    `seed + i` when a seed is given."""
+    `(seed + i) mod 2**64` when a seed is given. A seed is any int torch's generator
+    takes, -2**63 to 2**64 - 1; torch reads a negative one modulo 2**64 as well, so
+    the modulo gives every seed the stream it had before, and sample i of a seed
+    near 2**64 - 1 wraps to a small seed instead of overflowing the generator."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -30,6 +36,14 @@ class SamplingParams:
             raise ValueError(f"n must be an int from 1 to 64, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be an int from {SEED_MIN} to {SEED_MAX}, got {self.seed!r}"
+            )
         if not 0.0 <= float(self.temperature) <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
@@ -51,7 +65,7 @@ class Sampler:
         if params.temperature >= 1e-5:
             self.generator = torch.Generator()
             if params.seed is not None:
-                self.generator.manual_seed(params.seed + index)
+                self.generator.manual_seed((params.seed + index) % 2**64)
             else:
                 self.generator.seed()
 

@@ -221,7 +221,7 @@ def create_app(
         )
 
         def open_stream() -> Iterator[StreamEvent]:
-            return engine.stream(ids, params, cache_salt=salt)
+            return engine.stream(ids, params, cache_salt=salt, owner=tenant.salt)
 
         def on_close(gen: Generation) -> None:
             state.generations.discard(gen)

@@ -45,6 +45,7 @@ class EngineAPI(Protocol):
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> Iterator[StreamEvent]: ...
 
     def num_active_requests(self) -> int: ...
