@@ -354,12 +354,15 @@ def admin_figures(url: str) -> dict[str, Any]:
 
 
 def settle(url: str, timeout: float) -> dict[str, Any]:
-    """The admin's figures once nothing runs or waits (or after `timeout`)."""
+    """The admin's figures once nothing is pending, runs or waits (or after `timeout`),
+    with /health's count of pending requests as `pending`."""
     deadline = time.monotonic() + timeout
     while True:
         figures = admin_figures(url)
+        with client(url, None, PROBE_ADDRESS) as http:
+            figures["pending"] = http.get("/health").json()["active_requests"]
         sched = figures.get("scheduling") or {}
-        idle = not sched.get("running") and not sched.get("waiting")
+        idle = not figures["pending"] and not sched.get("running") and not sched.get("waiting")
         if (idle and not sched.get("kv_reserved_bytes")) or time.monotonic() > deadline:
             return figures
         time.sleep(0.5)
@@ -437,7 +440,9 @@ def soak(model: str, seconds: float, extra: list[str] | None = None) -> Verdict:
     peak = max(tally.rss, default=0)
     bound = rss_bound(figures, idle_rss) if "scheduling" in figures else 0
     checks = {
-        "no sequence running or waiting": not sched.get("running") and not sched.get("waiting"),
+        "no request pending, running or waiting": not figures.get("pending")
+        and not sched.get("running")
+        and not sched.get("waiting"),
         "no KV reserved": sched.get("kv_reserved_bytes") == 0,
         "no 500, normal keys all 200": not tally.errors(),
         "explain leaked nothing": not tally.leaks,
@@ -455,7 +460,7 @@ def soak(model: str, seconds: float, extra: list[str] | None = None) -> Verdict:
     lines = [
         f"normal requests answered: {served}; p50 quiet {quiet * 1000:.0f} ms, "
         f"hostile {loud * 1000:.0f} ms ({loud / quiet:.2f}x)",
-        f"scheduling after: {sched}",
+        f"after: {figures.get('pending')} pending; scheduling {sched}",
         f"/health answers: {len(tally.health)}, not 200: {Counter(map(str, bad_health))}",
         f"RSS idle {idle_rss / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB, "
         f"bound {bound / 2**20:.0f} MiB",
