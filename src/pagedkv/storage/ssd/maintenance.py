@@ -27,6 +27,7 @@ import os
 import sqlite3
 from dataclasses import dataclass, field
 from functools import partial
+from os.path import lexists
 from pathlib import Path
 
 from pagedkv.errors import CacheCorruptionError
@@ -35,10 +36,12 @@ from pagedkv.storage.ssd.format import SUFFIX, decode_file
 from pagedkv.storage.ssd.index import NamespaceUsage, SSDIndex
 from pagedkv.storage.ssd.io import read_file
 from pagedkv.storage.ssd.ownership import TEMP_MARK, is_stale_temp, stale_locks
+from pagedkv.storage.ssd.safefile import BadCacheFileError, is_regular_or_missing
 from pagedkv.storage.ssd.seed import SEED_NAME
 from pagedkv.storage.ssd.versions import block_path, is_version_dir, version_tree
 
 INDEX_NAME = "index.sqlite"
+INDEX_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the index and SQLite's files beside it
 
 
 @dataclass
@@ -187,8 +190,9 @@ def reconcile(
                 maybe_corrupt.append(h)
     with index.transaction():
         now = index.lookup([*maybe_missing, *maybe_unknown, *maybe_corrupt])
-        missing = [h for h in maybe_missing if h in now and not block_path(root, h).exists()]
-        unknown = {h: p for h, p in maybe_unknown.items() if h not in now and p.exists()}
+        # lexists: a link is an entry of the tree (removed below), not the file it names
+        missing = [h for h in maybe_missing if h in now and not lexists(block_path(root, h))]
+        unknown = {h: p for h, p in maybe_unknown.items() if h not in now and lexists(p)}
         corrupt = [
             h
             for h in maybe_corrupt
@@ -218,12 +222,12 @@ def _reindex(index: SSDIndex, path: Path, block_hash: bytes, secret: CacheSecret
     """Index a file that verifies (MAC too, with a secret), as least recently used;
     delete one that does not."""
     try:
-        stat = path.stat()
-        block, checksum = decode_file(read_file(path), block_hash, secret=secret)
+        data = read_file(path)
+        block, checksum = decode_file(data, block_hash, secret=secret)
     except (OSError, CacheCorruptionError):
         unlink_quiet(path)
         return 0
-    index.insert_row(block.meta, stat.st_size, checksum)
+    index.insert_row(block.meta, data.numel(), checksum)
     return 1
 
 
@@ -244,9 +248,20 @@ def clear_tree(root: Path, index: SSDIndex, namespace: str | None) -> int:
     return len(gone)
 
 
+def check_index_files(root: Path) -> None:
+    """Raise BadCacheFileError when the index or a file SQLite keeps beside it is a
+    link or not a regular file: SQLite opens them by name, following links (it would
+    open a file elsewhere), and would wait forever reading a FIFO."""
+    for suffix in INDEX_SUFFIXES:
+        path = root / (INDEX_NAME + suffix)
+        if not is_regular_or_missing(path):
+            raise BadCacheFileError(path, "is a link or not a regular file")
+
+
 def open_index(root: Path) -> SSDIndex:
     """The index of an existing cache directory, read-only when the disk is."""
     path = root / INDEX_NAME
+    check_index_files(root)
     if not path.is_file():
         raise FileNotFoundError(
             f"{root} is not a pagedkv SSD cache (no {INDEX_NAME}); "
@@ -266,7 +281,7 @@ def _stats(root: Path, index: SSDIndex) -> DirectoryStats:
         num_blocks=sum(u.num_blocks for u in usage.values()),
         bytes_used=sum(u.num_bytes for u in usage.values()),
         namespaces=usage,
-        has_seed=(root / SEED_NAME).is_file(),
+        has_seed=(root / SEED_NAME).exists() and is_regular_or_missing(root / SEED_NAME),
         other_versions=index.other_versions_usage(),
         num_tokens=sum(tokens.values()),
         bytes_per_token={

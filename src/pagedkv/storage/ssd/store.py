@@ -60,6 +60,7 @@ from pagedkv.storage.ssd.maintenance import (
     DirectoryStats,
     cache_stats,
     check_cache,
+    check_index_files,
     clear_cache,
     clear_tree,
     reconcile,
@@ -67,6 +68,7 @@ from pagedkv.storage.ssd.maintenance import (
 )
 from pagedkv.storage.ssd.ownership import check_directory, make_private_dir
 from pagedkv.storage.ssd.reader import BlockReader, ReadBatch, ReadPath, ReadPathChooser
+from pagedkv.storage.ssd.safefile import BadCacheFileError
 from pagedkv.storage.ssd.seed import read_or_create_seed, read_seed
 from pagedkv.storage.ssd.versions import block_path, version_tree
 from pagedkv.storage.ssd.writer import BlockWriter, Counters
@@ -130,8 +132,9 @@ class SSDStore(KVTier):
         check_directory(self.directory)  # raises UnsafeCacheDirectoryError: no fallback
         try:
             make_private_dir(version_tree(self.directory))
+            check_index_files(self.directory)
             self._index = SSDIndex(self.directory / INDEX_NAME)
-        except (OSError, sqlite3.Error) as exc:
+        except (OSError, sqlite3.Error, BadCacheFileError) as exc:
             open_error = exc
             self._index = self._open_read_only()
         self._start_threads()
@@ -141,11 +144,12 @@ class SSDStore(KVTier):
             self._startup()
 
     def _open_read_only(self) -> SSDIndex:
-        if (self.directory / INDEX_NAME).is_file():
-            try:
+        try:
+            check_index_files(self.directory)
+            if (self.directory / INDEX_NAME).is_file():
                 return SSDIndex(self.directory / INDEX_NAME, read_only=True)
-            except sqlite3.Error as exc:
-                log.warning("SSD cache index in %s cannot be read (%s)", self.directory, exc)
+        except (sqlite3.Error, BadCacheFileError) as exc:
+            log.warning("SSD cache index in %s cannot be read (%s)", self.directory, exc)
         return SSDIndex(Path(":memory:"))  # nothing stored and nowhere to write: all misses
 
     def _start_threads(self) -> None:
@@ -464,7 +468,13 @@ class SSDStore(KVTier):
 
     def check_seed(self, seed: bytes) -> bool:
         """True (and one warning per store) when the seed file holds another seed."""
-        stored = read_seed(self.directory)
+        try:
+            stored = read_seed(self.directory)
+        except BadCacheFileError as exc:
+            if not self._seed_warned:
+                self._seed_warned = True
+                log.warning("%s; the seed in use is not kept", exc)
+            return False
         if stored is None or stored == seed:
             return False
         if not self._seed_warned:
