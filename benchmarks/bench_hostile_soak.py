@@ -57,7 +57,7 @@ NORMAL_ADDRESS = "127.0.0.1"  # the two normal keys' host
 ATTACKER_ADDRESS = "127.0.0.3"  # mallory's requests
 HOG_ADDRESS = "127.0.0.2"  # the half-sent requests
 PROBE_ADDRESS = "127.0.0.4"  # the orchestrator asking /health
-SECRET_WORDS = "the vault code is periwinkle elephant seventeen under the blue stair"
+SECRET_WORDS = "the vault code is periwinkle elephant seventeen cobalt staircase"
 RSS_SLACK_BYTES = 256 * 2**20  # allocator and interpreter slack on top of the budgets
 REQUEST_MEMORY_FACTOR = 4  # a body's bytes, its parse in the limits check and FastAPI's
 
@@ -196,8 +196,8 @@ def nested_json(levels: int) -> str:
 
 def hostile_shapes(
     url: str, model: str, stop: threading.Event, tally: Tally
-) -> list[Callable[[], None]]:
-    """One loop per shape, each sending one request at a time until `stop`."""
+) -> dict[str, Callable[[], None]]:
+    """One loop per shape, by name, each sending one request at a time until `stop`."""
     huge_tool = {
         "type": "function",
         "function": {
@@ -211,7 +211,7 @@ def hostile_shapes(
     shapes: list[tuple[str, str, dict[str, Any]]] = [
         ("seed", "/v1/chat/completions",
          {**chat_base, "n": 2, "temperature": 1.0, "seed": 2**64 - 1}),
-        ("seed", "/v1/chat/completions",
+        ("seed_n3", "/v1/chat/completions",
          {**chat_base, "n": 3, "temperature": 0.7, "seed": 2**64 - 2}),
         ("count_tokens", "/v1/messages/count_tokens",
          {"model": model, "messages": [{"role": "user", "content": "hi"}],
@@ -273,12 +273,10 @@ def hostile_shapes(
 
         return run
 
-    loops = [sender(*p) for p in payloads]
-    loops += [
-        lambda: explain_walk(url, stop, tally),
-        lambda: scrape(url, stop, tally),
-        lambda: hog_connections(url, stop, tally),
-    ]
+    loops = {name: sender(name, path, payload) for name, path, payload in payloads}
+    loops["explain_walk"] = lambda: explain_walk(url, stop, tally)
+    loops["scrape"] = lambda: scrape(url, stop, tally)
+    loops["hog"] = lambda: hog_connections(url, stop, tally)
     return loops
 
 
@@ -286,7 +284,7 @@ def explain_walk(url: str, stop: threading.Event, tally: Tally) -> None:
     """Two end users behind one application key: the victim's message is cached, the
     attacker asks explain about prompts that share its start and looks for its words."""
     victim = [{"role": "user", "content": SECRET_WORDS}]
-    secret_tail = SECRET_WORDS.split()[4:]
+    secret_tail = SECRET_WORDS.split()[4:]  # words no answer has of its own
     with client(url, KEYS["mallory"], ATTACKER_ADDRESS) as http:
         http.post("/v1/chat/completions", json={"messages": victim, "max_tokens": 2})
         guess = "the vault code is"
@@ -368,16 +366,19 @@ def settle(url: str, timeout: float) -> dict[str, Any]:
         time.sleep(0.5)
 
 
-def run_phase(url: str, model: str, pid: int, seconds: float, hostile: bool, tally: Tally) -> None:
+def run_phase(
+    url: str, model: str, pid: int, seconds: float, shapes: set[str] | None, tally: Tally
+) -> None:
+    """Normal traffic for `seconds`, beside the hostile `shapes` (all when None)."""
     stop = threading.Event()
-    phase = "hostile" if hostile else "quiet"
+    phase = "hostile" if shapes is None or shapes else "quiet"
     loops: list[Callable[[], None]] = [
         lambda: normal_traffic(url, "alpha", stop, tally, phase),
         lambda: normal_traffic(url, "beta", stop, tally, phase),
         lambda: watch(url, pid, stop, tally),
     ]
-    if hostile:
-        loops += hostile_shapes(url, model, stop, tally)
+    hostile = hostile_shapes(url, model, stop, tally)
+    loops += [fn for name, fn in hostile.items() if shapes is None or name in shapes]
     threads = [threading.Thread(target=fn, daemon=True) for fn in loops]
     for t in threads:
         t.start()
@@ -411,7 +412,11 @@ class Verdict:
         return all(self.checks.values())
 
 
-def soak(model: str, seconds: float, extra: list[str] | None = None) -> Verdict:
+def soak(
+    model: str, seconds: float, extra: list[str] | None = None, shapes: set[str] | None = None
+) -> Verdict:
+    """Both phases against a fresh server; `shapes` limits the hostile ones (to find
+    what costs the normal keys most), None for all."""
     tally = Tally()
     with tempfile.TemporaryDirectory(prefix="pagedkv-soak-") as tmp:
         proc, url, log_path = start_server(model, Path(tmp), extra or [])
@@ -423,8 +428,8 @@ def soak(model: str, seconds: float, extra: list[str] | None = None) -> Verdict:
                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                 )
             idle_rss = psutil.Process(proc.pid).memory_info().rss
-            run_phase(url, served, proc.pid, seconds, False, tally)
-            run_phase(url, served, proc.pid, seconds, True, tally)
+            run_phase(url, served, proc.pid, seconds, set(), tally)
+            run_phase(url, served, proc.pid, seconds, shapes, tally)
             figures = settle(url, 60)
             log_text = log_path.read_text(errors="replace")
         finally:
@@ -483,9 +488,11 @@ def main() -> int:
     )
     p.add_argument("--model", default="smollm2-135m", help="model directory or the bundled model")
     p.add_argument("--seconds", type=float, default=300.0, help="length of each phase")
+    p.add_argument("--shapes", help="only these hostile shapes, comma-separated (default all)")
     p.add_argument("serve_args", nargs="*", help="more `pagedkv serve` flags (after --)")
     a = p.parse_args()
-    verdict = soak(a.model, a.seconds, a.serve_args)
+    shapes = set(a.shapes.split(",")) if a.shapes else None
+    verdict = soak(a.model, a.seconds, a.serve_args, shapes)
     print("\n".join(verdict.lines))
     return 0 if verdict.ok else 1
 

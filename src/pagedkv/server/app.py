@@ -288,7 +288,11 @@ def create_app(
         with held.released_on_error():
             if isinstance(prompt, str):
                 ids = await _blocking(
-                    engine.tokenize, prompt, what="the tokenizer", pool=state.render
+                    engine.tokenize,
+                    prompt,
+                    what="the tokenizer",
+                    pool=state.render,
+                    owner=tenant.salt,
                 )
             else:
                 check_token_ids(prompt, state.vocab_size, "prompt")
@@ -304,7 +308,7 @@ def create_app(
         check_supported(body)
         held = admit(tenant, body.n)
         with held.released_on_error():
-            ids, mode = await chat_prompt(body)
+            ids, mode = await chat_prompt(body, tenant)
             return await generate(request, body, ids, tenant, arrived, held, mode)
 
     def admit(tenant: Tenant, n: int) -> ShareHeld:
@@ -318,17 +322,21 @@ def create_app(
         """The prompt of a request that only looks at it (explain, count_tokens): rendered
         under one sequence of the key's share, and refused past the model's context."""
         with admit(tenant, 1):
-            ids, mode = await chat_prompt(body)
+            ids, mode = await chat_prompt(body, tenant)
         check_prompt_fits(len(ids), engine.max_context, "messages")
         return ids, mode
 
-    async def chat_prompt(body: ChatCompletionRequest) -> tuple[list[int], ToolMode | None]:
+    async def chat_prompt(
+        body: ChatCompletionRequest, tenant: Tenant
+    ) -> tuple[list[int], ToolMode | None]:
         """The prompt's token ids (tools rendered by the template), and how to parse the reply.
         Callers hold the key's share (`admit`)."""
         mode = tool_mode(body, state.tools)
         messages = chat_messages(body)
         render = functools.partial(engine.apply_chat_template, tools=template_tools(body))
-        ids = await _blocking(render, messages, what="the chat template", pool=state.render)
+        ids = await _blocking(
+            render, messages, what="the chat template", pool=state.render, owner=tenant.salt
+        )
         if mode is not None and mode.prefix:
             ids += engine.encode_continuation(mode.prefix)
         return ids, mode
@@ -364,7 +372,7 @@ def create_app(
         out = answer.to_json()
         if answer.miss is not None:
             where = functools.partial(request_section, engine, body, ids, mode)
-            section = await to_thread.run_sync(where, answer.miss.token_index)
+            section = await state.render.run(tenant.salt, where, answer.miss.token_index)
             out["miss"]["section"] = section.to_json() if section is not None else None
         return JSONResponse(out)
 
@@ -411,13 +419,15 @@ def _document_errors(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-async def _blocking(fn: Any, arg: Any, *, what: str, pool: RenderPool) -> list[int]:
+async def _blocking(
+    fn: Any, arg: Any, *, what: str, pool: RenderPool, owner: str | None
+) -> list[int]:
     """Run a tokenizer call on the render pool; its refusals of the input are 400s. Only
     a chat template's own `raise_exception()` message (the model author's words about
     the messages) reaches the client; the tokenizer's and jinja2's own texts can
     name internals and go to the log."""
     try:
-        return list(await pool.run(fn, arg))
+        return list(await pool.run(owner, fn, arg))
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise hidden_error(400, f"{what} could not encode the input", exc) from exc
     except Exception as exc:
