@@ -8,8 +8,6 @@ No test touches the network: sockets refuse to connect while they run.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import shutil
 import socket
 from collections.abc import Iterator
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures_models import make_tiny_model
+from hub_cache import COMMIT, add_to_hub_cache
 from tiny_gguf import write_tiny_gguf
 
 from pagedkv import CacheConfig, Engine, SamplingParams
@@ -26,7 +25,6 @@ from pagedkv.model import gguf as gguf_conversion
 from pagedkv.model import load_model
 from pagedkv.model.resolve import hub_cache_dir, resolve_model
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 PROMPT = "A cache keeps the answers to questions that were asked before"
 
 
@@ -42,22 +40,6 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket, "getaddrinfo", refuse)
     yield
-
-
-def add_to_hub_cache(cache: Path, repo_id: str, model_dir: Path, commit: str = COMMIT) -> Path:
-    """Put `model_dir`'s files in `cache` as `hf download repo_id` would; the snapshot."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snapshot.mkdir(parents=True)
-    for f in sorted(model_dir.iterdir()):
-        data = f.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
-    return snapshot
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +161,8 @@ def test_gguf_converts_once_per_content(
     assert resolve_model(gguf).directory == first
     copy = shutil.copy(gguf, tmp_path / "b.gguf")  # same bytes elsewhere: same conversion
     assert resolve_model(copy).directory == first
+    blob = shutil.copy(gguf, tmp_path / "sha256-0a1b")  # as Ollama stores it: no suffix
+    assert (resolve_model(blob).directory, resolve_model(blob).source) == (first, "gguf")
     monkeypatch.setattr(gguf_conversion, "_convert", convert)
 
     other_model = make_tiny_model(tmp_path / "other", arch="llama", seed=1)

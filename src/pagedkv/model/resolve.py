@@ -3,7 +3,8 @@
 Accepted, in the order they are tried:
 1. the bundled model's name (`model.bundled`);
 2. a local directory holding a Hugging Face causal LM (config.json, weights, tokenizer);
-3. a `.gguf` file, converted once to safetensors under the user cache (`model.gguf`);
+3. a GGUF file (`.gguf`, or any file starting with the GGUF magic, as Ollama's
+   blobs do), converted once to safetensors under the user cache (`model.gguf`);
 4. a Hub id `ORG/NAME` or `ORG/NAME@REVISION`, found in the local Hugging Face
    cache by huggingface_hub's own offline lookup (`snapshot_download` with
    `local_files_only=True`, as under `HF_HUB_OFFLINE=1`). Never a download.
@@ -58,12 +59,10 @@ def resolve_model(spec: str | Path, *, progress: bool = True) -> ResolvedModel:
     path = Path(text).expanduser()
     if path.is_dir():
         return ResolvedModel(_checked_dir(path, text), path.resolve().name, "directory")
-    if path.suffix.lower() == ".gguf":
-        if not path.is_file():
-            raise ModelNotSupportedError(
-                f"cannot load model {text!r}: no such GGUF file. {ACCEPTED}"
-            )
+    if path.is_file() and (path.suffix.lower() == ".gguf" or _has_gguf_magic(path)):
         return ResolvedModel(ensure_gguf_model(path, progress), path.name, "gguf")
+    if path.suffix.lower() == ".gguf":
+        raise ModelNotSupportedError(f"cannot load model {text!r}: no such GGUF file. {ACCEPTED}")
     if path.exists():
         raise ModelNotSupportedError(
             f"cannot load model {text!r}: it is a file but not a .gguf. {ACCEPTED}"
@@ -76,6 +75,15 @@ def resolve_model(spec: str | Path, *, progress: bool = True) -> ResolvedModel:
         f"cannot load model {text!r}: it is not a local directory or file, nor a Hub id "
         f"ORG/NAME. {ACCEPTED}"
     )
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    """Ollama keeps its GGUF files as `blobs/sha256-...`, without the suffix."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def _checked_dir(directory: Path, text: str) -> Path:
