@@ -262,7 +262,6 @@ def create_app(
             "object": "model",
             "created": state.created,
             "owned_by": "pagedkv",
-            "root": engine.model_name,
             "max_model_len": engine.max_context,
         }
 

@@ -177,7 +177,6 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pagedkv"
-    root: str | None = None  # the engine's own name when `id` is a served alias
     max_model_len: int | None = None
 
 
