@@ -98,6 +98,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keys_on_command_line=args.keys_on_command_line,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        # The command line's names replace PAGEDKV_SERVED_MODEL_NAME's (comma-separated).
+        served_model_names=args.served_model_name
+        or [n.strip() for n in str(env("--served-model-name", "")).split(",") if n.strip()],
     )
 
 
@@ -248,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[k for k in str(env("--metrics-key", "")).split(",") if k],
         help="a key that may read /metrics and nothing else (repeatable; prefer "
         "PAGEDKV_METRICS_KEY); with API keys, /metrics needs this or an admin key",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a name requests may give as `model` (repeatable); the first is the id "
+        "GET /v1/models shows (default: the model's own name, which is always accepted)",
     )
     serve.add_argument(
         "--tool-call-parser",

@@ -32,7 +32,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=env("--model", DEFAULT_MODEL),
-        help=f"model directory or the bundled '{DEFAULT_MODEL}' (default)",
+        help=f"the bundled '{DEFAULT_MODEL}' (default), a Hugging Face model directory, a "
+        ".gguf file, or a Hub id ORG/NAME[@REVISION] already in the local Hugging Face cache "
+        "(never downloaded; see docs/usage.md)",
     )
     p.add_argument("--device", default=env("--device", "auto"), choices=["auto", "cpu", "cuda"])
     p.add_argument(

@@ -69,9 +69,9 @@ def _local_renderer(model: str) -> tuple[Renderer, Any] | None:
     try:
         from transformers import AutoTokenizer
 
-        from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
+        from pagedkv.model.resolve import resolve_model
 
-        directory = ensure_bundled_model() if model.lower() == BUNDLED_MODEL_NAME else model
+        directory = resolve_model(model).directory
         tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # any failure only costs the ideal
         print(

@@ -96,7 +96,9 @@ class Engine:
         max_queue: int = 64,
         scheduling: SchedulerConfig | None = None,
     ) -> Engine:
-        """Load `model` (the bundled model's name or a local directory) on the worker thread."""
+        """Load `model` on the worker thread: the bundled model's name, a Hugging Face
+        directory, a .gguf file or a Hub id in the local Hugging Face cache
+        (`pagedkv.model.resolve`)."""
 
         def load() -> ModelAdapter:
             return load_model(model, device=device, dtype=dtype)

@@ -24,6 +24,8 @@ from pagedkv.config import cache_home
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 DIGEST_CACHE_NAME = "weight-digests.json"
+# Written by `model.gguf` into a directory converted from a GGUF file: what it came from.
+SOURCE_MARKER = "pagedkv-source.json"
 _MAX_REMEMBERED = 512
 _CHUNK_BYTES = 8 << 20
 
@@ -53,16 +55,34 @@ def _strip(value: Any) -> Any:
 
 def weights_digest(model: Any, model_dir: Path | None) -> str:
     """sha256 over (relative name, file digest) of the weight files in `model_dir`;
-    over the state dict's tensors when there is no directory or it holds no weights."""
+    over the state dict's tensors when there is no directory or it holds no weights.
+
+    A directory converted from a user's GGUF file also folds in that file's sha256
+    (from its `SOURCE_MARKER`), so the namespace names the file itself, not only
+    what transformers de-quantized it to."""
     files = _weight_files(model_dir) if model_dir is not None else []
     if not files:
         return "tensors:" + _state_dict_digest(model)
     assert model_dir is not None
     outer = hashlib.sha256()
+    source = _source_digest(model_dir)
+    if source is not None:  # absent for plain directories: their namespaces stay as they were
+        outer.update(b"gguf\0" + bytes.fromhex(source))
     for path in files:
         outer.update(str(path.relative_to(model_dir)).encode() + b"\0")
         outer.update(bytes.fromhex(file_digest(path)))
     return "files:" + outer.hexdigest()
+
+
+def _source_digest(model_dir: Path) -> str | None:
+    recorded = _read(model_dir / SOURCE_MARKER).get("sha256")
+    if isinstance(recorded, str) and len(recorded) == 64:
+        try:
+            bytes.fromhex(recorded)
+        except ValueError:
+            return None
+        return recorded
+    return None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

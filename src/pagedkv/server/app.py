@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,7 @@ from pagedkv.server.protocol import (
     CompletionResponse,
     ErrorResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
 )
 from pagedkv.server.render_pool import RenderPool
@@ -122,28 +123,32 @@ def create_app(
     model_name: str | None = None,
     tool_call_parser: str | None = None,
     metrics_keys: Iterable[str] = (),
+    served_model_names: Sequence[str] = (),
 ) -> FastAPI:
     """An app serving `engine` (a `pagedkv.Engine`, or anything with its `EngineAPI`).
 
     `admin_keys` may clear the cache and see the global statistics; other keys
     may not (with no keys at all, the one caller may). `limits` bounds one
     request's messages and text; `max_requests_per_key` the requests one key
-    may have running (None: no bound). `model_name` is the id clients see
-    (default: the engine's); requests may also name the engine's own name, or
-    leave `model` out. `tool_call_parser` names the tool-call format
-    (`pagedkv.server.tools.PARSERS`) when the chat template does not make it clear.
+    may have running (None: no bound). `served_model_names` are the names
+    requests may give as `model` (`--served-model-name`); the first, else
+    `model_name`, else the engine's own name, is the id clients see. Requests
+    may also name the engine's own name, or leave `model` out. `tool_call_parser`
+    names the tool-call format (`pagedkv.server.tools.PARSERS`) when the chat
+    template does not make it clear.
     `metrics_keys` may read /metrics, as admin keys may (`server/authn.py`).
     """
+    names = served_names(served_model_names, model_name, engine.model_name)
     state = ServerState(
         engine=engine,
-        model_name=model_name or engine.model_name,
+        model_name=names[0],
         keys=KeyRing(api_keys, admin_keys),
         metrics=ServerMetrics(engine.cache_stats, engine.num_active_requests),
         vocab_size=engine.vocab_size if engine.vocab_size > 0 else None,
         tools=tool_support(engine.chat_template, tool_call_parser),
         share=KeyShare(max_requests_per_key),
     )
-    known_models = {state.model_name, engine.model_name}
+    known_models = dict.fromkeys([*names, engine.model_name])  # ordered, for the 404's list
     app = FastAPI(title="pagedkv", version="0.1.0", strict_content_type=False)
     app.state.pagedkv = state
     # Outermost last: count every response, then the key, then the body's size and limits.
@@ -162,13 +167,16 @@ def create_app(
         if state.closing:
             raise shutting_down()
         if model is not None and model not in known_models:
-            raise APIError(
-                404,
-                f"model {model!r} does not exist; this server serves "
-                f"{state.model_name!r} (see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(model, "model")
+
+    def unknown_model(model: str, param: str) -> APIError:
+        return APIError(
+            404,
+            f"model {model!r} does not exist; this server serves "
+            f"{', '.join(map(repr, known_models))} (see GET /v1/models)",
+            param=param,
+            code="model_not_found",
+        )
 
     async def generate(
         request: Request,
@@ -267,16 +275,25 @@ def create_app(
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
-    async def list_models(tenant: TenantDep) -> Response:
-        card = {
-            "id": state.model_name,
+    def model_card(model_id: str) -> dict[str, Any]:
+        return {
+            "id": model_id,
             "object": "model",
             "created": state.created,
             "owned_by": "pagedkv",
             "max_model_len": engine.max_context,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def list_models(tenant: TenantDep) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card(state.model_name)]})
+
+    # `:path`: Hub ids hold a slash (`ORG/NAME`), which clients send encoded or not.
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+    async def retrieve_model(model_id: str, tenant: TenantDep) -> Response:
+        if model_id not in known_models:
+            raise unknown_model(model_id, "model_id")
+        return JSONResponse(model_card(model_id))
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=STREAMS)
     async def completions(request: Request, body: CompletionRequest, tenant: TenantDep) -> Response:
@@ -401,6 +418,16 @@ def create_app(
     )
     _document_errors(app)
     return app
+
+
+def served_names(served: Sequence[str], model_name: str | None, own: str) -> list[str]:
+    """The names the server answers to, the shown id first, duplicates dropped."""
+    names = [n.strip() for n in served]
+    if any(not n for n in names):
+        raise ValueError("a served model name must not be empty (--served-model-name)")
+    if not names:
+        names = [model_name or own]
+    return list(dict.fromkeys(names))
 
 
 def _document_errors(app: FastAPI) -> None:

@@ -23,7 +23,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -63,6 +63,7 @@ def run_server(
     keys_on_command_line: bool = False,
     model_name: str | None = None,
     tool_call_parser: str | None = None,
+    served_model_names: Sequence[str] = (),
     log_level: str = "info",
     access_log: bool = True,
     drain_timeout: float = 5.0,
@@ -95,6 +96,7 @@ def run_server(
             model_name=model_name,
             tool_call_parser=tool_call_parser,
             metrics_keys=metrics_keys,
+            served_model_names=served_model_names,
         )
         state: ServerState = app.state.pagedkv
         sock = _bind(host, port)
