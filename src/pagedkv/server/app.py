@@ -187,7 +187,7 @@ def create_app(
             logprobs = body.logprobs
         else:
             logprobs = body.logprobs is not None  # 0: the sampled token's logprob only
-        params = sampling_params(body, max_tokens, logprobs)
+        params = sampling_params(body, max_tokens, logprobs, tools)
         salt = tenant.cache_salt(body.cache_salt)
         stream = body.stream
         include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
@@ -288,8 +288,6 @@ def create_app(
         messages = chat_messages(body)
         render = functools.partial(engine.apply_chat_template, tools=template_tools(body))
         ids = await _blocking(render, messages, what="the chat template")
-        if mode is not None and mode.prefix:
-            ids += engine.encode_continuation(mode.prefix)
         return ids, mode
 
     @app.get("/v1/cache/stats", responses=ERRORS)
