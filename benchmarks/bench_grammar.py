@@ -245,13 +245,13 @@ def bench_engine(args: argparse.Namespace) -> int:
     def run(structured: bool) -> float:
         params = SamplingParams(max_tokens=args.tokens, ignore_eos=not structured,
                                 response_format=fmt if structured else None)  # fmt: skip
-        steps0 = engine.worker.steps
+        steps0 = engine._worker.steps
         t0 = time.perf_counter()
         streams = [engine.stream(prompt, params) for _ in range(args.streams)]
         for s in streams:
             for _ in s:
                 pass
-        return (time.perf_counter() - t0) / max(1, engine.worker.steps - steps0)
+        return (time.perf_counter() - t0) / max(1, engine._worker.steps - steps0)
 
     run(False)  # warm up (and the prompt's KV for both)
     run(True)
