@@ -1,6 +1,6 @@
 """`locate_section` on a real tokenizer and chat templates: the part of the caller's own
-prompt where two prompts first differ (tools, system prompt, message k, the reply's
-appended start), with templates that refuse prefixes, in a bounded number of renders."""
+prompt where two prompts first differ (tools, system prompt, message k), with
+templates that refuse prefixes, in a bounded number of renders."""
 
 from __future__ import annotations
 
@@ -94,16 +94,6 @@ def test_changed_tool_definitions_are_the_tools_section() -> None:
     renamed = {**WEATHER, "function": {**WEATHER["function"], "description": "Forecast"}}
     found = where(render, chat(4), chat(4), tools=[renamed], earlier_tools=[WEATHER])
     assert found == PromptSection("tools")
-
-
-def test_the_start_of_a_reply_the_server_appends_is_reply_prefix() -> None:
-    render = Renderer(TOOLS_CHAT_TEMPLATE)
-    messages = chat(3)
-    prompt = render(messages)
-    num_template = len(prompt)
-    prompt += [5, 6, 7]  # what a required tool_choice appends after the template
-    found = locate_section(render, messages, None, prompt, num_template, num_template + 1)
-    assert found == PromptSection("reply_prefix")
 
 
 def test_one_or_two_renders_for_even_turns_and_logarithmic_for_any() -> None:

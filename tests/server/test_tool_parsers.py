@@ -101,12 +101,13 @@ def test_streaming_a_false_alarm_is_sent_once_it_cannot_be_a_call() -> None:
     assert stream.finish().content is None
 
 
-def test_forced_prefix_is_parsed_with_the_reply_and_parallel_off_keeps_one() -> None:
-    mode = ToolMode(hermes, hermes.forced_prefix("f"), parallel=False)
-    out = mode.parse('{"a": 1}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>')
+def test_parallel_off_keeps_the_first_call_and_a_bad_reply_is_content() -> None:
+    mode = ToolMode(hermes, None, parallel=False)
+    two = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>' * 2
+    out = mode.parse(two)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("f", {"a": 1})]
-    broken = mode.parse("oops")
-    assert broken.tool_calls == [] and broken.content == hermes.forced_prefix("f") + "oops"
+    broken = mode.parse("<tool_call>oops")
+    assert broken.tool_calls == [] and broken.content == "<tool_call>oops"
 
 
 def test_parser_is_chosen_from_the_template_or_the_flag() -> None:

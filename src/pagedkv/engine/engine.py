@@ -16,6 +16,7 @@ from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
 from pagedkv.config import CacheConfig, default_kv_budget_bytes
 from pagedkv.engine.explain import CacheExplanation, caching_off, describe
+from pagedkv.engine.grammar import GrammarCompiler
 from pagedkv.engine.request import GenerationResult, Request, RequestStream
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
@@ -122,6 +123,9 @@ class Engine:
         snapshot_tokens = -(-snapshots.nbytes // per_token) if snapshots is not None else 0
         scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // per_token, snapshot_tokens)
         self._worker = Worker(adapter, self.prefix, scheduler, self._request_done)
+        self._grammars = GrammarCompiler(
+            adapter.tokenizer, adapter.eos_token_ids, adapter.vocab_size
+        )
         # The first forward in a thread is slow: pay it here, not in the first request.
         adapter.warmup()
         if self.scheduling.deterministic and adapter.batched:
@@ -386,6 +390,8 @@ class Engine:
         need = (len(ids) + answer + snapshot) * params.n * self.adapter.kv_bytes_per_token
         if need > self.kv_budget_bytes:
             raise RequestTooLargeError(len(ids), answer, params.n, need, self.kv_budget_bytes)
+        fmt = params.response_format
+        grammar = None if fmt is None else self._grammars.compile(fmt)  # GrammarError: a 400
         with self._lock:
             if self._closed or self._dead is not None:
                 raise EngineClosedError(self._closed_reason())
@@ -393,7 +399,8 @@ class Engine:
                 raise EngineOverloadedError(self._pending, self.max_queue)
             self._pending += 1
             self._submitted += 1
-        req = Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None, owner=owner)
+        extra = ExtraKeys(cache_salt=salt) if salt else None
+        req = Request(ids, params, extra, owner=owner, grammar=grammar)
         self._queue.put(req)
         return req
 

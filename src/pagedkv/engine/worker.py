@@ -82,13 +82,14 @@ class Worker:
 
     def _sequence(self, req: Request, index: int, tokens: list[int], max_tokens: int) -> Sequence:
         ignore = set(self.adapter.eos_token_ids)
+        constraint = req.grammar.constraint() if req.grammar is not None else None
         return Sequence(
             request=req,
             index=index,
             tokens=tokens,
             num_prompt_tokens=len(req.prompt),
             max_tokens=max_tokens,
-            sampler=Sampler(req.params, index),
+            sampler=Sampler(req.params, index, constraint),
             decoder=Detokenizer(self.adapter, req.params, ignore=ignore),
         )
 

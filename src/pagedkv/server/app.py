@@ -215,7 +215,7 @@ def create_app(
             logprobs = body.logprobs
         else:
             logprobs = body.logprobs is not None  # 0: the sampled token's logprob only
-        params = sampling_params(body, max_tokens, logprobs)
+        params = sampling_params(body, max_tokens, logprobs, tools)
         salt = tenant.cache_salt(body.cache_salt)
         stream = body.stream
         include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
@@ -354,8 +354,6 @@ def create_app(
         ids = await _blocking(
             render, messages, what="the chat template", pool=state.render, owner=tenant.salt
         )
-        if mode is not None and mode.prefix:
-            ids += engine.encode_continuation(mode.prefix)
         return ids, mode
 
     @app.get("/v1/cache/stats", responses=ERRORS)
@@ -378,7 +376,7 @@ def create_app(
         Positions, reasons and this request's own text only (docs/security.md); the
         miss's section is found in this request's messages."""
         check_open(body.model)
-        ids, mode = await prompt_only(body, tenant)
+        ids, _ = await prompt_only(body, tenant)
         salt = tenant.cache_salt(body.cache_salt)
         try:
             answer = await to_thread.run_sync(
@@ -388,7 +386,7 @@ def create_app(
             raise bad_request(str(exc), "messages") from exc
         out = answer.to_json()
         if answer.miss is not None:
-            where = functools.partial(request_section, engine, body, ids, mode)
+            where = functools.partial(request_section, engine, body, ids)
             section = await state.render.run(tenant.salt, where, answer.miss.token_index)
             out["miss"]["section"] = section.to_json() if section is not None else None
         return JSONResponse(out)

@@ -1,5 +1,5 @@
 """Which part of a chat prompt a token position falls in: the tool definitions, the
-system prompt, message k, or the start of the reply the server appended.
+system prompt, or message k.
 
 Explain names the section of its first recomputed token from the caller's own
 request, never from a cached one: the position is the only thing taken from the
@@ -38,12 +38,11 @@ import numpy as np
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.prepare import chat_messages
 from pagedkv.server.protocol import ChatCompletionRequest
-from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import template_tools
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["system", "tools", "message", "reply_prefix"]
+Kind = Literal["system", "tools", "message"]
 # Messages (and tools) to the template's token ids, generation prompt included.
 Render = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]] | None], list[int]]
 
@@ -52,8 +51,7 @@ Render = Callable[[Sequence[dict[str, Any]], Sequence[dict[str, Any]] | None], l
 class PromptSection:
     """`message_index` and `role` are set for "system" and "message" (the index is
     the position in the request's `messages`); "tools" is where the template put
-    the tool definitions; "reply_prefix" is the start of a tool call the server
-    appends after the template for a required `tool_choice`."""
+    the tool definitions."""
 
     kind: Kind
     message_index: int | None = None
@@ -121,9 +119,7 @@ def locate_section(
 ) -> PromptSection | None:
     """The section of `prompt` (whose first `num_template` tokens are the template's
     render of `messages` and `tools`) holding token `index`; None when unknown."""
-    if index >= num_template:
-        return PromptSection("reply_prefix")
-    if not messages:
+    if index >= num_template or not messages:
         return None
     template = prompt[:num_template]
     if tools:
@@ -178,12 +174,10 @@ def request_section(
     engine: EngineAPI,
     body: ChatCompletionRequest,
     prompt: list[int],
-    mode: ToolMode | None,
     index: int,
 ) -> PromptSection | None:
-    """`locate_section` for a chat request whose prompt (`prompt`, `mode`) the route
-    built; blocking (template renders): run it on a thread."""
-    reply = engine.encode_continuation(mode.prefix) if mode is not None and mode.prefix else []
+    """`locate_section` for a chat request whose prompt the route built; blocking
+    (template renders): run it on a thread."""
     messages, tools = chat_messages(body), template_tools(body)
     render = engine.apply_chat_template
-    return locate_section(render, messages, tools, prompt, len(prompt) - len(reply), index)
+    return locate_section(render, messages, tools, prompt, len(prompt), index)

@@ -77,7 +77,10 @@ class ToolCallParser(ABC):
         """Where in `text` (the reply so far) a call may begin: a stream sends text
         before this index as content and holds the rest back; None holds nothing."""
 
-    @abstractmethod
-    def forced_prefix(self, function: str | None) -> str:
-        """The start of a call, appended to the prompt when the client requires a call
-        (`tool_choice` "required", or a named function when `function` is given)."""
+    # The text around one call and between calls, and the key of its arguments, as the
+    # parser reads them: a required call is generated under a grammar made of these
+    # (`tools/grammar.py`), so what the model is forced to write is what parses.
+    call_open: str
+    call_close: str
+    call_separator: str
+    args_key: str

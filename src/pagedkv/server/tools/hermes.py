@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 from pagedkv.server import nesting
@@ -16,6 +15,8 @@ _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", r
 
 class HermesParser(ToolCallParser):
     name = "hermes"
+    call_open, call_close, call_separator = OPEN + "\n", "\n" + CLOSE, "\n"
+    args_key = "arguments"
 
     def parse(self, text: str) -> ParsedOutput:
         if OPEN not in text:
@@ -41,8 +42,3 @@ class HermesParser(ToolCallParser):
             if text.endswith(OPEN[:n]):
                 return len(text) - n
         return None
-
-    def forced_prefix(self, function: str | None) -> str:
-        if function is None:
-            return OPEN + '\n{"name": "'
-        return OPEN + "\n" + '{"name": ' + json.dumps(function) + ', "arguments": '

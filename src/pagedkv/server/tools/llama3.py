@@ -14,6 +14,8 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
+    call_open, call_close, call_separator = "", "", "; "
+    args_key = "parameters"
 
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip()
@@ -46,8 +48,3 @@ class Llama3JsonParser(ToolCallParser):
         if PYTHON_TAG.startswith(head):
             return 0
         return None
-
-    def forced_prefix(self, function: str | None) -> str:
-        if function is None:
-            return '{"name": "'
-        return '{"name": ' + json.dumps(function) + ', "parameters": '
