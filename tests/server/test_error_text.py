@@ -48,10 +48,12 @@ class Raising(FakeEngine):
             raise self.error
         return super().apply_chat_template(messages, tools)
 
-    def stream(self, prompt: Any, params: Any = None, *, cache_salt: Any = None) -> Iterator[Any]:
+    def stream(
+        self, prompt: Any, params: Any = None, *, cache_salt: Any = None, owner: Any = None
+    ) -> Iterator[Any]:
         if self.where == "submit":
             raise self.error
-        inner = super().stream(prompt, params, cache_salt=cache_salt)
+        inner = super().stream(prompt, params, cache_salt=cache_salt, owner=owner)
         if self.where != "mid-stream":
             return inner
 

@@ -269,7 +269,15 @@ def create_app(
             }
         )
 
-    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"content": {"text/plain": {}}},
+            401: {"model": ErrorResponse},
+            403: {"model": ErrorResponse},
+        },
+    )
     def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
