@@ -151,7 +151,9 @@ class Engine:
         )
         log.info("layers of %s: %s", adapter.name, adapter.kinds.describe())
         namespace = adapter.fingerprint(config.block_size)
-        description = describe_namespace(adapter, config.block_size)
+        description = (  # shown by `pagedkv cache stats`; only the SSD tier keeps it
+            describe_namespace(adapter, config.block_size) if config.ssd_cache_dir else None
+        )
         prefix = build_prefix_cache(config, layout, namespace, adapter.device, description)
         if prefix is None:
             self.caching_off_reason = "the RAM cache budget holds less than one block"

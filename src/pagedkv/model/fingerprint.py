@@ -175,8 +175,9 @@ def files_weights_digest(model_dir: Path) -> str | None:
 def describe_namespace(adapter: Any, block_size: int) -> NamespaceInfo:
     """What `pagedkv cache stats` shows for the namespace `adapter.fingerprint(block_size)`.
 
-    The weights digest comes from the files only (remembered digests: no re-hash); a
-    model not loaded from files records none rather than hashing its tensors twice."""
+    The weights digest comes from the files only, whose digests `fingerprint` has just
+    remembered (hashed again only when the cache home cannot be written); a model not
+    loaded from files records none rather than hashing its tensors twice."""
     model_dir = getattr(adapter, "model_dir", None)
     kv_format = getattr(adapter, "kv_format", None)
     dtype = str(getattr(adapter, "dtype", "unknown")).removeprefix("torch.")
