@@ -30,6 +30,7 @@ from pagedkv.errors import (
 )
 from pagedkv.model import ModelAdapter, load_model
 from pagedkv.model.batch import DeterministicRows, linear_layers
+from pagedkv.model.fingerprint import describe_namespace
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,10 @@ class Engine:
         )
         log.info("layers of %s: %s", adapter.name, adapter.kinds.describe())
         namespace = adapter.fingerprint(config.block_size)
-        prefix = build_prefix_cache(config, layout, namespace, adapter.device)
+        description = (  # shown by `pagedkv cache stats`; only the SSD tier keeps it
+            describe_namespace(adapter, config.block_size) if config.ssd_cache_dir else None
+        )
+        prefix = build_prefix_cache(config, layout, namespace, adapter.device, description)
         if prefix is None:
             self.caching_off_reason = "the RAM cache budget holds less than one block"
         return prefix

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.config import cache_home
+from pagedkv.storage.ssd.namespaces import NamespaceInfo
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 DIGEST_CACHE_NAME = "weight-digests.json"
@@ -160,3 +161,35 @@ def _state_dict_digest(model: Any) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\0".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def files_weights_digest(model_dir: Path) -> str | None:
+    """`weights_digest` of a model directory from its files alone, without loading the
+    model (what `pagedkv cache clear --model` matches namespaces by); None when the
+    directory holds no weight files."""
+    if not _weight_files(model_dir):
+        return None
+    return weights_digest(None, model_dir)
+
+
+def describe_namespace(adapter: Any, block_size: int) -> NamespaceInfo:
+    """What `pagedkv cache stats` shows for the namespace `adapter.fingerprint(block_size)`.
+
+    The weights digest comes from the files only, whose digests `fingerprint` has just
+    remembered (hashed again only when the cache home cannot be written); a model not
+    loaded from files records none rather than hashing its tensors twice."""
+    model_dir = getattr(adapter, "model_dir", None)
+    kv_format = getattr(adapter, "kv_format", None)
+    dtype = str(getattr(adapter, "dtype", "unknown")).removeprefix("torch.")
+    kv_dtype = dtype
+    if kv_format is not None:
+        stored = str(kv_format.storage_dtype).removeprefix("torch.")
+        kv_dtype = stored if kv_format.name == "auto" else kv_format.name
+    return NamespaceInfo(
+        model=str(getattr(adapter, "name", "unknown")),
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        block_size=int(block_size),
+        weights_kernel=str(getattr(adapter, "linear_kernel", "torch")),
+        weights=files_weights_digest(model_dir) if model_dir is not None else None,
+    )

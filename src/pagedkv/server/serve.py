@@ -113,7 +113,7 @@ def run_server(
         )
         server = _Server(config, state, drain_timeout, engine)
         num_metrics_keys = len({k for k in metrics_keys if k})
-        _log_startup(engine, state, url, keys_on_command_line, num_metrics_keys)
+        _log_startup(engine, state, url, keys_on_command_line, num_metrics_keys, served_model_names)
         server.run(sockets=[sock])
         died = server.engine_died
     finally:
@@ -254,10 +254,21 @@ def _log_startup(
     url: str,
     keys_on_command_line: bool,
     num_metrics_keys: int = 0,
+    served_model_names: Sequence[str] = (),
 ) -> None:
-    log.info("model %s (context %d tokens)", state.model_name, engine.max_context)
-    for line in _cache_lines(engine.cache_stats()):
+    # Every name a request may give as `model`, the id clients see first (`served_names`).
+    names = list(dict.fromkeys([*served_model_names, state.model_name, engine.model_name]))
+    log.info(
+        "model %s (context %d tokens); requests may name it %s",
+        engine.model_name,
+        engine.max_context,
+        ", ".join(names),
+    )
+    stats = engine.cache_stats()
+    for line in _cache_lines(stats):
         log.info("cache: %s", line)
+    if stats.cache is not None and not any(t != "ram" for t in stats.cache.tiers):
+        log.info("cache: RAM only, nothing is kept on disk; it is lost when the server stops")
     if keys_on_command_line:
         log.warning(
             "API keys were given on the command line, where any user of this host can "

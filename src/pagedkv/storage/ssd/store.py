@@ -66,6 +66,7 @@ from pagedkv.storage.ssd.maintenance import (
     reconcile,
     unlink_quiet,
 )
+from pagedkv.storage.ssd.namespaces import NamespaceInfo, record_namespace
 from pagedkv.storage.ssd.ownership import check_directory, make_private_dir
 from pagedkv.storage.ssd.reader import BlockReader, ReadBatch, ReadPath, ReadPathChooser
 from pagedkv.storage.ssd.safefile import BadCacheFileError
@@ -111,6 +112,7 @@ class SSDStore(KVTier):
         fsync: bool = False,
         secret: CacheSecret | None = None,
         read_path: ReadPath | None = None,
+        description: NamespaceInfo | None = None,
     ) -> None:
         if capacity_bytes < 0 or (namespace_quota_bytes is not None and namespace_quota_bytes < 0):
             raise ValueError("SSD capacity and quota must be >= 0 bytes")
@@ -124,6 +126,7 @@ class SSDStore(KVTier):
         self.put_wait_s = float(put_wait_s)
         self.fsync = fsync
         self.read_path = read_path  # None: measured (`ssd_reader`)
+        self.description = description  # recorded for `cache stats` (`ssd_namespaces`)
         self.startup_report: CheckReport | None = None
         self._counters = Counters(self.name, self.capacity_bytes)
         self._seed_warned = False
@@ -180,6 +183,8 @@ class SSDStore(KVTier):
             self._writer.disable(exc)
             return
         self.startup_report = report
+        if self.description is not None:
+            record_namespace(self.directory, self.namespace, self.description)
         self._counters.add("reindexed", report.reindexed)
         self._counters.add("temp_files_removed", len(report.temp_files))
         if report.problems:
