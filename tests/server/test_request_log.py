@@ -111,3 +111,12 @@ def test_client_text_cannot_forge_a_log_line(server: ServerProc) -> None:
     assert r.status_code == 404
     log_line(server, r.headers["x-request-id"])
     assert not any(line.startswith("2099-01-01") for line in server.log().splitlines())
+
+
+def test_key_labels_follow_the_order_keys_were_given() -> None:
+    from pagedkv.server.auth import ANONYMOUS, KeyRing
+
+    ring = KeyRing(["k-a", "k-b", "k-a"], ["k-c", "k-a"])
+    labels = {k: ring.lookup(k).label for k in ("k-a", "k-b", "k-c")}  # type: ignore[union-attr]
+    assert labels == {"k-a": "admin2", "k-b": "key2", "k-c": "admin1"}
+    assert ANONYMOUS.label == "-"

@@ -232,7 +232,14 @@ class _Server(uvicorn.Server):
 
 
 def _listen(sock: socket.socket) -> socket.socket:
-    sock.listen(2048)  # connect()s made from now on wait in the backlog until uvicorn accepts
+    try:
+        # connect()s made from now on wait in the backlog until uvicorn accepts
+        sock.listen(2048)
+    except OSError as exc:  # another process bound the port too, and listened first
+        host, port = sock.getsockname()[:2]
+        raise OSError(
+            exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port"
+        ) from exc
     sock.set_inheritable(True)
     return sock
 
