@@ -66,6 +66,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Check the flags and bind the port first, then load the model (`pagedkv.startup`):
+    a mistake fails in a second, not after the load."""
+    from pagedkv.startup import bind_port, check_serve_flags
+
+    check_serve_flags(args)
+    sock = bind_port(args.host, args.port)
+    try:
+        return _serve_on(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve_on(args: argparse.Namespace, sock: Any) -> int:
     from pagedkv.server.limits import RequestLimits
     from pagedkv.server.serve import load_api_keys, run_server
 
@@ -81,6 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = _load_engine(args)
     return run_server(
         engine,
+        sock=sock,
         host=args.host,
         port=args.port,
         api_keys=keys,
@@ -380,15 +394,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run a command; its exit status. A failure is one paragraph on stderr, no
+    traceback unless --log-level debug (`pagedkv.startup` lists the statuses)."""
+    from pagedkv.startup import report_environment_error, report_failure
+
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a PAGEDKV_* default that a flag's type refuses
+        return report_environment_error(exc)
+    args = parser.parse_args(argv)
+    log_level = getattr(args, "log_level", "info")
     logging.basicConfig(
-        level=getattr(args, "log_level", "info").upper(),
+        level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return report_failure(exc, args.command, debug=log_level == "debug")
 
 
 if __name__ == "__main__":

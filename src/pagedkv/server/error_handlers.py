@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedkv.server.anthropic.errors import error_body as anthropic_error_body
 from pagedkv.server.anthropic.errors import error_response, is_messages_path
 from pagedkv.server.http_errors import APIError, bad_request
+from pagedkv.server.request_log import note_error
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ def error_body(path: str, exc: APIError) -> dict[str, Any]:
 
 def add_error_handlers(app: FastAPI) -> None:
     def render(request: Request, exc: APIError) -> Response:
+        note_error(exc.message)  # the request's log line says why it was refused
         if is_messages_path(request.url.path):
             return error_response(exc)
         return exc.response()

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.server.http_errors import REQUEST_ID, APIError
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.request_log import REQUEST_RECORD, RequestRecord, log_request, note_error
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ class RequestMetricsMiddleware:
 class RequestIdMiddleware:
     """Gives every request an id: the `x-request-id` response header, `REQUEST_ID` while
     the request is served (so logs and `hidden_error` name it), and the id in the body
-    of a 500.
+    of a 500. When the response is sent, it writes the request's one log line
+    (`server/request_log.py`), with the key label `AuthMiddleware` left in the scope.
 
     Outermost of the app's middlewares, it is where an exception nothing else handled
     ends: it is logged once, with its traceback and the request id, and the client gets
@@ -160,12 +162,21 @@ class RequestIdMiddleware:
             return
         request_id = "req_" + uuid.uuid4().hex
         token = REQUEST_ID.set(request_id)
+        client = scope.get("client")
+        record = RequestRecord(
+            request_id,
+            scope["method"],
+            scope["path"],
+            f"{client[0]}:{client[1]}" if client else "-",
+        )
+        record_token = REQUEST_RECORD.set(record)
         started = False
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                record.status = message["status"]
                 headers = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
                 message = {**message, "headers": headers}
             await send(message)
@@ -177,7 +188,16 @@ class RequestIdMiddleware:
             if not started:
                 await send_error(send_with_id, self.error_body(scope["path"], error), error)
         finally:
+            record.key_label = _key_label(scope)
+            log_request(record)
+            REQUEST_RECORD.reset(record_token)
             REQUEST_ID.reset(token)
+
+
+def _key_label(scope: Scope) -> str:
+    tenant = scope.get("state", {}).get("tenant")
+    label = getattr(tenant, "label", None)
+    return label if isinstance(label, str) else "-"
 
 
 def internal_error(method: str, path: str, exc: BaseException) -> APIError:
@@ -221,7 +241,9 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def send_error(send: Send, payload: dict[str, Any], error: APIError) -> None:
-    """Answer with `error`'s status and headers and `payload` as the JSON body."""
+    """Answer with `error`'s status and headers and `payload` as the JSON body; the
+    request's log line gets its message as the reason."""
+    note_error(error.message)
     body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]

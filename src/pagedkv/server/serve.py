@@ -39,6 +39,7 @@ from pagedkv.server.transport import (
     DEFAULT_RECEIVE_TIMEOUT_S,
     ConnectionGuard,
 )
+from pagedkv.startup import bind_port
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +66,20 @@ def run_server(
     tool_call_parser: str | None = None,
     served_model_names: Sequence[str] = (),
     log_level: str = "info",
-    access_log: bool = True,
+    access_log: bool = False,
     drain_timeout: float = 5.0,
     close_timeout: float = 10.0,
+    sock: socket.socket | None = None,
 ) -> int:
     """Serve `engine` until SIGTERM/SIGINT, then close it; returns the exit status: 0, or
     1 when the engine's worker died (its requests have failed; a supervisor should
     restart the server).
 
-    `port=0` picks a free port; the URL is logged either way. The engine is
-    closed on return, also when the server fails to start. `keys_on_command_line`
+    `port=0` picks a free port; the URL is logged either way. `sock`, a socket
+    `bind_port` bound before the model was loaded, is served instead of binding
+    `host:port`. The engine is closed on return, also when the server fails to start.
+    Each request logs one line (`server/request_log.py`); `access_log` adds
+    uvicorn's own access line, which says less and would repeat it. `keys_on_command_line`
     (the CLI sets it) logs a warning: other users of the host can read them in `ps`.
     `max_connections_per_client` None is a quarter of `max_connections`; 0 is no cap.
     `metrics_keys` may read /metrics (as may admin keys; see `server/authn.py`).
@@ -99,7 +104,7 @@ def run_server(
             served_model_names=served_model_names,
         )
         state: ServerState = app.state.pagedkv
-        sock = _bind(host, port)
+        sock = _listen(sock if sock is not None else bind_port(host, port))
         url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
         config = server_config(
             app,
@@ -128,7 +133,7 @@ def server_config(
     app: object,
     *,
     log_level: str = "info",
-    access_log: bool = True,
+    access_log: bool = False,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     max_connections_per_client: int | None = None,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
@@ -226,18 +231,15 @@ class _Server(uvicorn.Server):
             log.warning("cancelled %d requests still running after %.0f s", n, delay)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listen(sock: socket.socket) -> socket.socket:
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
+        # connect()s made from now on wait in the backlog until uvicorn accepts
+        sock.listen(2048)
+    except OSError as exc:  # another process bound the port too, and listened first
+        host, port = sock.getsockname()[:2]
         raise OSError(
             exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port"
         ) from exc
-    sock.listen(2048)  # connect()s made from now on wait in the backlog until uvicorn accepts
     sock.set_inheritable(True)
     return sock
 
