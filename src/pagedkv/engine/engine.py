@@ -179,8 +179,10 @@ class Engine:
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each id's own string in the tokenizer's vocabulary (byte-level pieces such as
-        'Ġword', special tokens by name): what `POST /tokenize` shows as `token_strs`."""
-        return [str(t) for t in self.adapter.tokenizer.convert_ids_to_tokens(list(token_ids))]
+        'Ġword', special tokens by name): what `POST /tokenize` shows as `token_strs`.
+        An id the model has but the tokenizer lacks (padded embeddings) is ""."""
+        pieces = self.adapter.tokenizer.convert_ids_to_tokens(list(token_ids))
+        return ["" if p is None else str(p) for p in pieces]
 
     def tokenize(self, text: str) -> list[int]:
         return self.adapter.encode(text)
