@@ -182,20 +182,33 @@ class Engine:
         """False once the worker thread has died (a bug); the engine then serves nothing."""
         return self._dead is None and self._thread.is_alive()
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.adapter.decode(token_ids)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.adapter.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's own string in the tokenizer's vocabulary (byte-level pieces such as
+        'Ġword', special tokens by name): what `POST /tokenize` shows as `token_strs`.
+        An id the model has but the tokenizer lacks (padded embeddings) is ""."""
+        pieces = self.adapter.tokenizer.convert_ids_to_tokens(list(token_ids))
+        return ["" if p is None else str(p) for p in pieces]
 
     def tokenize(self, text: str) -> list[int]:
         return self.adapter.encode(text)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Token ids of a conversation; `tools` (OpenAI function definitions) are passed
-        to the template, which decides how the model sees them."""
+        to the template, which decides how the model sees them. Without the generation
+        prompt the ids end with the last message (`POST /tokenize` can ask for that)."""
+        extra: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
         if tools:
-            return self.adapter.apply_chat_template(list(messages), tools=list(tools))
-        return self.adapter.apply_chat_template(list(messages))
+            extra["tools"] = list(tools)
+        return self.adapter.apply_chat_template(list(messages), **extra)
 
     @property
     def chat_template(self) -> str | None:

@@ -385,14 +385,21 @@ class ModelAdapter:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
-        """Token ids of a conversation in the model's chat template, generation prompt added."""
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of a conversation in the model's chat template, generation prompt
+        added unless asked not to."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ModelNotSupportedError(
                 f"model {self.name} has no chat template; send plain text prompts instead"
             )
         ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **kwargs,
         )
         return [int(i) for i in ids]
 

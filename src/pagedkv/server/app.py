@@ -38,6 +38,7 @@ from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
+from pagedkv.server.explain import ChatExplainRequest, Explainer, refuse_unknown_chat_fields
 from pagedkv.server.generation import Generation, Options
 from pagedkv.server.http_errors import APIError, bad_request, hidden_error, shutting_down
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
@@ -67,8 +68,8 @@ from pagedkv.server.protocol import (
     ModelList,
 )
 from pagedkv.server.render_pool import RenderPool
-from pagedkv.server.sections import request_section
 from pagedkv.server.tenants import TenantLedger
+from pagedkv.server.tokenize import TokenizerContext, add_tokenizer_routes
 from pagedkv.server.tools import ToolSupport, tool_support
 from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import template_tools, tool_mode
@@ -376,28 +377,15 @@ def create_app(
         stats = await to_thread.run_sync(engine.cache_stats)
         return JSONResponse({"scope": "server", **stats_json(stats)})
 
+    explainer = Explainer(engine, prompt_only, state.render)
+
     @app.post("/v1/cache/explain", responses=ERRORS)
-    async def cache_explain(body: ChatCompletionRequest, tenant: TenantDep) -> Response:
-        """What this chat request would reuse from the cache if sent now, and why not more.
-        Hashes and looks up the prompt the request would have (tools included); never
-        generates. Another key's prompts are invisible: for them the answer is "new".
-        Positions, reasons and this request's own text only (docs/security.md); the
-        miss's section is found in this request's messages."""
+    async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:
+        """What this chat request would reuse from the cache if sent now, and why not more
+        (`server/explain.py`). A top-level field a chat request does not have is refused."""
         check_open(body.model)
-        ids, _ = await prompt_only(body, tenant)
-        salt = tenant.cache_salt(body.cache_salt)
-        try:
-            answer = await to_thread.run_sync(
-                functools.partial(engine.explain, ids, cache_salt=salt)
-            )
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from exc
-        out = answer.to_json()
-        if answer.miss is not None:
-            where = functools.partial(request_section, engine, body, ids)
-            section = await state.render.run(tenant.salt, where, answer.miss.token_index)
-            out["miss"]["section"] = section.to_json() if section is not None else None
-        return JSONResponse(out)
+        refuse_unknown_chat_fields(body)
+        return JSONResponse(await explainer.explain(body, tenant))
 
     @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})
     async def cache_clear(tenant: TenantDep) -> Response:
@@ -420,8 +408,11 @@ def create_app(
             start_generation=start_generation,
             decode=engine.decode,
             block_size=stats.cache.block_size if stats.cache is not None else None,
+            explain=explainer.explain,
         ),
     )
+    blocking = functools.partial(_blocking, pool=state.render)
+    add_tokenizer_routes(app, TokenizerContext(engine, state.tools, check_open, admit, blocking))
     _document_errors(app)
     return app
 

@@ -9,8 +9,9 @@ learn from a 400 that its JSON was wrong before hearing that its key was. The
 middleware answers 401 from the headers alone and hands the tenant to the routes
 in the ASGI scope's state.
 
-The same middleware guards what is outside /v1. The API's description
-(`/docs`, `/redoc`, `/openapi.json`) needs a key whenever the API does.
+The same middleware guards what is outside /v1. `/tokenize` and `/detokenize`
+(`server/tokenize.py`) need a key as /v1 does. The API's description (`/docs`,
+`/redoc`, `/openapi.json`) needs a key whenever the API does.
 `/metrics` needs a metrics key (`--metrics-key`) or an admin key whenever the
 server has any key: its counters, read before and after another tenant's
 request, give that request's prompt length, cached tokens and generated tokens,
@@ -35,11 +36,13 @@ _bearer = HTTPBearer(auto_error=False, description="an API key, when the server 
 
 
 DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+# Outside /v1 because vLLM serves them there; they render prompts like /v1 does.
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
 METRICS_PATH = "/metrics"
 
 
 def is_api_path(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/") or path in DOCS_PATHS
+    return path == "/v1" or path.startswith("/v1/") or path in DOCS_PATHS or path in TOKENIZER_PATHS
 
 
 def presented_key(headers: list[tuple[bytes, bytes]]) -> str:

@@ -47,6 +47,9 @@ _LIMITED_PATHS = frozenset(
         "/v1/cache/explain",
         "/v1/messages",
         "/v1/messages/count_tokens",
+        "/v1/messages/explain",
+        "/tokenize",
+        "/detokenize",
     }
 )
 
@@ -207,9 +210,9 @@ def _loads(body: bytes) -> Any:
 class KeyShare:
     """At most `limit` running sequences per key: a generating request counts its `n`
     samples (each takes an engine slot and its KV), a prompt-only request (count_tokens,
-    explain) counts 1 while its prompt is rendered. `ANONYMOUS` (no keys configured) is
-    not limited, being every caller at once. Thread-safe; every `acquire` returns a
-    `ShareHeld` whose `release` gives the sequences back exactly once."""
+    explain, tokenize, detokenize) counts 1 while its prompt is rendered. `ANONYMOUS`
+    (no keys configured) is not limited, being every caller at once. Thread-safe; every
+    `acquire` returns a `ShareHeld` whose `release` gives the sequences back exactly once."""
 
     def __init__(self, limit: int | None) -> None:
         self.limit = limit

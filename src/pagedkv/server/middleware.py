@@ -28,6 +28,12 @@ KNOWN_PATHS = frozenset(
         "/v1/chat/completions",
         "/v1/cache/stats",
         "/v1/cache/clear",
+        "/v1/cache/explain",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/messages/explain",
+        "/tokenize",
+        "/detokenize",
     }
 )
 

@@ -1,4 +1,4 @@
-"""`POST /v1/messages` and `POST /v1/messages/count_tokens`.
+"""`POST /v1/messages`, `POST /v1/messages/count_tokens` and `POST /v1/messages/explain`.
 
 The routes borrow the OpenAI app's machinery through `MessagesContext` (the
 model check, the chat prompt with tools, starting a generation), so both APIs
@@ -17,7 +17,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedkv.server.anthropic.convert import to_chat_request
+from pagedkv.server.anthropic.convert import chat_origins, to_chat_request
+from pagedkv.server.anthropic.explain import (
+    MessagesExplainRequest,
+    refuse_unknown_messages_fields,
+    section_in_messages,
+)
 from pagedkv.server.anthropic.protocol import (
     AnthropicErrorResponse,
     CountTokensRequest,
@@ -26,9 +31,11 @@ from pagedkv.server.anthropic.protocol import (
 from pagedkv.server.anthropic.render import AnthropicReply, ReplyOptions
 from pagedkv.server.auth import Tenant
 from pagedkv.server.authn import TenantDep
+from pagedkv.server.explain import SectionMap
 from pagedkv.server.generation import Generation
 from pagedkv.server.limits import ShareHeld
 from pagedkv.server.protocol import ChatCompletionRequest
+from pagedkv.server.sections import PromptSection
 from pagedkv.server.tools.output import ToolMode
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -44,6 +51,7 @@ STREAMS: dict[int | str, dict[str, Any]] = {
 ChatPrompt = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
 PromptOnly = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
 StartGeneration = Callable[..., Awaitable[Generation]]
+Explain = Callable[[ChatCompletionRequest, Tenant, SectionMap], Awaitable[dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class MessagesContext:
     start_generation: StartGeneration  # (request, body, ids, tenant, arrived, held, tools)
     decode: Callable[[Sequence[int]], str]
     block_size: int | None
+    explain: Explain  # `explain.Explainer.explain`: the answer of /v1/cache/explain
 
 
 def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
@@ -90,3 +99,19 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
         ctx.check_open(body.model)
         ids, _ = await ctx.prompt_only(to_chat_request(body), tenant)
         return JSONResponse({"input_tokens": len(ids)})
+
+    @app.post("/v1/messages/explain", tags=["anthropic"], responses=ERRORS)
+    async def explain(body: MessagesExplainRequest, tenant: TenantDep) -> Response:
+        """What this Messages request would reuse from the cache if sent now, and why
+        not more: the answer of POST /v1/cache/explain, for the prompt /v1/messages
+        would render (top-level system and tools included). Never generates."""
+        ctx.check_open(body.model)
+        refuse_unknown_messages_fields(body)
+        chat = to_chat_request(body)
+        origins = chat_origins(body)
+        roles = [m.role for m in body.messages]
+
+        def sections(section: PromptSection | None) -> PromptSection | None:
+            return section_in_messages(section, origins, roles)
+
+        return JSONResponse(await ctx.explain(chat, tenant, sections))
