@@ -489,7 +489,13 @@ class Engine:
             else:
                 with self._lock:
                     self._taken += 1
-                self._worker.add(item)
+                try:
+                    self._worker.add(item)
+                except Exception as exc:  # its sequence cannot be built: it alone fails
+                    log.exception("a request could not start")
+                    item.failed = True
+                    item.events.put(exc)
+                    self._request_done(item)
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
