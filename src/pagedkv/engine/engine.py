@@ -29,6 +29,7 @@ from pagedkv.errors import (
 )
 from pagedkv.model import ModelAdapter, load_model
 from pagedkv.model.batch import DeterministicRows, linear_layers
+from pagedkv.model.generation_defaults import SamplingDefaults
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class Engine:
         if not isinstance(adapter, ModelAdapter):
             adapter = adapter()
         self.adapter = adapter
+        log.info("sampling defaults of %s: %s", adapter.name, self.sampling_defaults.describe())
         # Before any buffer exists, with caching on or off: the same rounding either way.
         adapter.set_kv_dtype(self.config.kv_dtype)
         self.prefix = self._build_prefix_cache()
@@ -170,12 +172,17 @@ class Engine:
         return self.adapter.vocab_size
 
     @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's recommended sampling values, for fields a request leaves out."""
+        return getattr(self.adapter, "sampling_defaults", None) or SamplingDefaults()
+
+    @property
     def healthy(self) -> bool:
         """False once the worker thread has died (a bug); the engine then serves nothing."""
         return self._dead is None and self._thread.is_alive()
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.adapter.decode(token_ids)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.adapter.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def tokenize(self, text: str) -> list[int]:
         return self.adapter.encode(text)

@@ -215,7 +215,9 @@ def create_app(
             logprobs = body.logprobs
         else:
             logprobs = body.logprobs is not None  # 0: the sampled token's logprob only
-        params = sampling_params(body, max_tokens, logprobs)
+        params = sampling_params(
+            body, max_tokens, logprobs, engine.sampling_defaults, state.vocab_size
+        )
         salt = tenant.cache_salt(body.cache_salt)
         stream = body.stream
         include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
@@ -226,6 +228,8 @@ def create_app(
             logprobs=logprobs,
             n=params.n,
             tools=tools,
+            top_logprobs=params.top_logprobs,
+            decode=functools.partial(engine.decode, skip_special_tokens=False),
         )
 
         def open_stream() -> Iterator[StreamEvent]:

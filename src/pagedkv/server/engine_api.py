@@ -9,6 +9,7 @@ from pagedkv.engine.explain import CacheExplanation
 from pagedkv.engine.request import StreamEvent
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.stats import EngineStats
+from pagedkv.model.generation_defaults import SamplingDefaults
 
 
 class EngineAPI(Protocol):
@@ -24,6 +25,9 @@ class EngineAPI(Protocol):
     def vocab_size(self) -> int: ...
 
     @property
+    def sampling_defaults(self) -> SamplingDefaults: ...
+
+    @property
     def healthy(self) -> bool: ...
 
     def tokenize(self, text: str) -> list[int]: ...
@@ -31,7 +35,7 @@ class EngineAPI(Protocol):
     @property
     def chat_template(self) -> str | None: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def encode_continuation(self, text: str) -> list[int]: ...
 
