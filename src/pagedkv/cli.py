@@ -40,11 +40,27 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedkv.engine import SamplingParams
+    from pagedkv.engine.defaults import resolve_sampling
 
     engine = _load_engine(args)
     try:
+        chosen = resolve_sampling(
+            engine.sampling_defaults,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            fallback_temperature=0.0,  # a model that recommends nothing decodes greedily
+        )
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+            max_tokens=args.max_tokens,
+            temperature=chosen.temperature,
+            top_p=chosen.top_p,
+            top_k=chosen.top_k,
+            min_p=chosen.min_p,
+            repetition_penalty=chosen.repetition_penalty,
+            seed=args.seed,
         )
         if args.raw:
             events = engine.stream(args.prompt, params)
@@ -281,8 +297,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduler_flags(gen)
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=int(env("--max-tokens", 128)))
-    gen.add_argument("--temperature", type=float, default=float(env("--temperature", 0.0)))
-    gen.add_argument("--seed", type=int, default=None)
+    for flag, kind, what in (
+        ("--temperature", float, "0 is greedy and takes none of the model's defaults"),
+        ("--top-p", float, "nucleus sampling; 1 is off"),
+        ("--top-k", int, "sample among the k most likely tokens; 0 is off"),
+        ("--min-p", float, "drop tokens below min_p times the top token's probability"),
+        ("--repetition-penalty", float, "over the prompt and the answer; 1 is off"),
+    ):
+        default = env(flag)
+        gen.add_argument(
+            flag,
+            type=kind,
+            default=None if default is None else kind(default),
+            help=f"{what} (default: the model's recommended value, see docs/usage.md)",
+        )
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     gen.set_defaults(func=cmd_generate)
 

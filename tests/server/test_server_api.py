@@ -218,7 +218,10 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert len(lps) == 6 and all(lp <= 0 for lp in lps)
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            logprobs=True,
+            top_logprobs=21,
         )
     assert err.value.param == "top_logprobs"
 
