@@ -38,11 +38,27 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedkv.engine import SamplingParams
+    from pagedkv.engine.defaults import resolve_sampling
 
     engine = _load_engine(args)
     try:
+        chosen = resolve_sampling(
+            engine.sampling_defaults,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            fallback_temperature=0.0,  # a model that recommends nothing decodes greedily
+        )
         params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+            max_tokens=args.max_tokens,
+            temperature=chosen.temperature,
+            top_p=chosen.top_p,
+            top_k=chosen.top_k,
+            min_p=chosen.min_p,
+            repetition_penalty=chosen.repetition_penalty,
+            seed=args.seed,
         )
         if args.raw:
             events = engine.stream(args.prompt, params)
@@ -298,12 +314,20 @@ def _add_generation_flags(gen: argparse.ArgumentParser) -> None:
         default=int(env("--max-tokens", 128)),
         help="most tokens to generate (default 128)",
     )
-    g.add_argument(
-        "--temperature",
-        type=float,
-        default=float(env("--temperature", 0.0)),
-        help="sampling temperature (default 0.0: greedy, the same output every time)",
-    )
+    for flag, kind, what in (
+        ("--temperature", float, "0 is greedy and takes none of the model's defaults"),
+        ("--top-p", float, "nucleus sampling; 1 is off"),
+        ("--top-k", int, "sample among the k most likely tokens; 0 is off"),
+        ("--min-p", float, "drop tokens below min_p times the top token's probability"),
+        ("--repetition-penalty", float, "over the prompt and the answer; 1 is off"),
+    ):
+        default = env(flag)
+        g.add_argument(
+            flag,
+            type=kind,
+            default=None if default is None else kind(default),
+            help=f"{what} (default: none, the model's recommended value; see docs/usage.md)",
+        )
     g.add_argument(
         "--seed",
         type=int,

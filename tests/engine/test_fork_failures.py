@@ -60,10 +60,10 @@ def _fail_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     """Building any sample's sampler but the first raises (before it is adopted)."""
 
     class Broken(Sampler):
-        def __init__(self, params: SamplingParams, index: int = 0) -> None:
+        def __init__(self, params: SamplingParams, index: int = 0, **kw: Any) -> None:
             if index > 0:
                 raise RuntimeError("injected: a sampler that cannot be built")
-            super().__init__(params, index)
+            super().__init__(params, index, **kw)
 
     monkeypatch.setattr(worker_module, "Sampler", Broken)
 

@@ -22,6 +22,7 @@ from pagedkv.engine.request import GenerationResult, StreamEvent
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.stats import EngineStats, RequestCounters
 from pagedkv.errors import EngineOverloadedError, PagedKVError
+from pagedkv.model.generation_defaults import SamplingDefaults
 from pagedkv.storage.base import TierStats
 
 EOS = 300
@@ -37,6 +38,7 @@ class FakeEngine:
 
     model_name = "fake-model"
     vocab_size = 301
+    sampling_defaults = SamplingDefaults()
     healthy = True
 
     def __init__(

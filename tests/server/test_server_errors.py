@@ -93,9 +93,25 @@ JSON_CASES: list[tuple[str, Any, int, str | None]] = [
     (CHAT, chat(model="gpt-4"), 404, "model"),
     (CHAT, chat(model="x" * 10000), 404, "model"),
     (CHAT, chat(model=123), 400, "model"),
-    (CHAT, chat(presence_penalty=0.5), 400, "presence_penalty"),
-    (CHAT, chat(logit_bias={"1": 5}), 400, "logit_bias"),
-    (CHAT, chat(top_logprobs=2, logprobs=True), 400, "top_logprobs"),
+    (CHAT, chat(presence_penalty=2.5), 400, "presence_penalty"),
+    (CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty"),
+    (CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
+    (CHAT, chat(min_p=1.5), 400, "min_p"),
+    (CHAT, chat(logit_bias={"1": 500}), 400, "logit_bias.1"),
+    (CHAT, chat(logit_bias={"x": 5}), 400, "logit_bias"),
+    (CHAT, chat(logit_bias={"600": 5}), 400, "logit_bias"),  # beyond the vocabulary
+    (CHAT, chat(logit_bias={"9" * 5000: 5}), 400, "logit_bias"),
+    (CHAT, chat(stop_token_ids=[600]), 400, "stop_token_ids"),
+    (CHAT, chat(top_logprobs=21, logprobs=True), 400, "top_logprobs"),
+    (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),  # needs logprobs: true
+    (CHAT, chat(min_tokens=3), 400, "min_tokens"),
+    (CHAT, chat(use_beam_search=True), 400, "use_beam_search"),
+    (CHAT, chat(length_penalty=0.5), 400, "length_penalty"),
+    (CHAT, chat(prompt_logprobs=1), 400, "prompt_logprobs"),
+    (CHAT, chat(allowed_token_ids=[1, 2]), 400, "allowed_token_ids"),
+    (CHAT, chat(bad_words=["x"]), 400, "bad_words"),
+    (CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
+    (CHAT, chat(function_call="auto"), 400, "function_call"),
     # The tiny model's template never reads `tools`: the model could not see them.
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     (CHAT, chat(response_format={"type": "regex"}), 400, "response_format.type"),
@@ -131,7 +147,8 @@ JSON_CASES: list[tuple[str, Any, int, str | None]] = [
     (COMPLETIONS, completion(prompt=[1] * 300), 400, "prompt"),  # beyond the 64-token context
     (COMPLETIONS, completion(echo=True), 400, "echo"),
     (COMPLETIONS, completion(best_of=3), 400, "best_of"),
-    (COMPLETIONS, completion(logprobs=5), 400, "logprobs"),
+    (COMPLETIONS, completion(logprobs=21), 400, "logprobs"),
+    (COMPLETIONS, completion(min_tokens=2), 400, "min_tokens"),
     (COMPLETIONS, completion(suffix="end"), 400, "suffix"),
 ]
 

@@ -31,6 +31,7 @@ from pagedkv.errors import (
 from pagedkv.model import ModelAdapter, load_model
 from pagedkv.model.batch import DeterministicRows, linear_layers
 from pagedkv.model.fingerprint import describe_namespace
+from pagedkv.model.generation_defaults import SamplingDefaults
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class Engine:
         if not isinstance(adapter, ModelAdapter):
             adapter = adapter()
         self.adapter = adapter
+        log.info("sampling defaults of %s: %s", adapter.name, self.sampling_defaults.describe())
         # Before any buffer exists, with caching on or off: the same rounding either way.
         adapter.set_kv_dtype(self.config.kv_dtype)
         self.prefix = self._build_prefix_cache()
@@ -176,6 +178,11 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.adapter.vocab_size
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The model's recommended sampling values, for fields a request leaves out."""
+        return getattr(self.adapter, "sampling_defaults", None) or SamplingDefaults()
 
     @property
     def healthy(self) -> bool:

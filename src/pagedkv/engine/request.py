@@ -31,6 +31,8 @@ class GenerationResult:
     finish_reason: str
     total_s: float = 0.0
     logprobs: list[float] | None = None
+    # Per generated token, its `top_logprobs` most likely (token id, logprob) pairs.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     tier_hits: dict[str, int] = field(default_factory=dict)
     index: int = 0  # which of the request's `n` samples
 
@@ -53,6 +55,7 @@ class StreamEvent:
     finished: bool = False
     result: GenerationResult | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     index: int = 0
 
 

@@ -55,6 +55,7 @@ class Sequence:
     snapshots: dict[int, torch.Tensor] = field(default_factory=dict)
     state_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     ttft: float = 0.0
     finish_reason: str | None = None
     prompt_cached: bool = False
@@ -85,6 +86,7 @@ class Sequence:
             finish_reason=self.finish_reason or "cancelled",
             total_s=time.perf_counter() - req.submitted,
             logprobs=list(self.logprobs) if req.params.logprobs else None,
+            top_logprobs=list(self.top_logprobs) if req.params.top_logprobs else None,
             tier_hits=dict(self.tier_hits),
             index=self.index,
         )

@@ -89,7 +89,7 @@ class Worker:
             tokens=tokens,
             num_prompt_tokens=len(req.prompt),
             max_tokens=max_tokens,
-            sampler=Sampler(req.params, index, constraint),
+            sampler=Sampler(req.params, index, prompt=tokens, constraint=constraint),
             decoder=Detokenizer(self.adapter, req.params, ignore=ignore),
         )
 
@@ -388,19 +388,25 @@ class Worker:
             self._finish(seq)
 
     def _emit_token(self, seq: Sequence, logits: torch.Tensor) -> None:
-        token, logprob = seq.sampler.sample(logits)
+        sampled = seq.sampler.sample(logits)
+        token, params = sampled.token, seq.request.params
         if not seq.generated:
             seq.ttft = time.perf_counter() - seq.request.submitted
         seq.tokens.append(token)
-        seq.logprobs.append(logprob)
+        seq.logprobs.append(sampled.logprob)
+        if sampled.top is not None:
+            seq.top_logprobs.append(sampled.top)
         delta, done = seq.decoder.push(token)
         if done is None and len(seq.generated) >= seq.max_tokens:
             done = "length"
         if done is not None:
             seq.finish_reason = done
             delta += seq.decoder.flush()
-        lps = [logprob] if seq.request.params.logprobs else None
-        seq.request.events.put(StreamEvent([token], delta, logprobs=lps, index=seq.index))
+        lps = [sampled.logprob] if params.logprobs else None
+        top = [sampled.top] if sampled.top is not None else None
+        seq.request.events.put(
+            StreamEvent([token], delta, logprobs=lps, top_logprobs=top, index=seq.index)
+        )
 
     def _fork(self, primary: Sequence, logits: torch.Tensor) -> None:
         """The other samples of a request with n > 1: each starts from a copy of the
@@ -501,6 +507,7 @@ def _unborn_result(req: Request, index: int) -> GenerationResult:
         finish_reason="cancelled",
         total_s=time.perf_counter() - req.submitted,
         logprobs=[] if req.params.logprobs else None,
+        top_logprobs=[] if req.params.top_logprobs else None,
         index=index,
     )
 

@@ -26,6 +26,11 @@ from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME
 from pagedkv.model.fingerprint import config_identity, weights_digest
+from pagedkv.model.generation_defaults import (
+    BUNDLED_DEFAULTS,
+    SamplingDefaults,
+    read_sampling_defaults,
+)
 from pagedkv.model.kinds import LayerKinds, read_layer_kinds
 from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.kv_layer import GrowableLayer
@@ -110,6 +115,13 @@ class ModelAdapter:
             or min(getattr(tokenizer, "model_max_length", 2048), 2048)
         )
         self.eos_token_ids: tuple[int, ...] = _eos_token_ids(model, tokenizer)
+        # What the model recommends for fields a request leaves out; the bundled model
+        # recommends nothing in its config, so it gets pagedkv's (generation_defaults).
+        self.sampling_defaults: SamplingDefaults = read_sampling_defaults(
+            getattr(model, "generation_config", None)
+        )
+        if name == BUNDLED_MODEL_NAME and self.sampling_defaults.source == "none":
+            self.sampling_defaults = BUNDLED_DEFAULTS
         self.kv_format: KVFormat = kv_format("auto", self.dtype, self.head_dim)
 
         params = inspect.signature(model.forward).parameters

@@ -216,7 +216,9 @@ def create_app(
             logprobs = body.logprobs
         else:
             logprobs = body.logprobs is not None  # 0: the sampled token's logprob only
-        params = sampling_params(body, max_tokens, logprobs, tools)
+        params = sampling_params(
+            body, max_tokens, logprobs, engine.sampling_defaults, state.vocab_size, tools
+        )
         salt = tenant.cache_salt(body.cache_salt)
         stream = body.stream
         include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
@@ -227,6 +229,8 @@ def create_app(
             logprobs=logprobs,
             n=params.n,
             tools=tools,
+            top_logprobs=params.top_logprobs,
+            decode=functools.partial(engine.decode, skip_special_tokens=False),
         )
 
         def open_stream() -> Iterator[StreamEvent]:

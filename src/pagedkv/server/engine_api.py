@@ -9,6 +9,7 @@ from pagedkv.engine.explain import CacheExplanation
 from pagedkv.engine.request import StreamEvent
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.stats import EngineStats
+from pagedkv.model.generation_defaults import SamplingDefaults
 
 
 class EngineAPI(Protocol):
@@ -22,6 +23,9 @@ class EngineAPI(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults: ...
 
     @property
     def healthy(self) -> bool: ...

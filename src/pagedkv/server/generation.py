@@ -7,7 +7,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +33,8 @@ class Options:
     logprobs: bool
     n: int = 1
     tools: ToolMode | None = None  # chat only: parse tool calls out of the reply
+    top_logprobs: int = 0  # the most likely tokens' logprobs, per token (with logprobs)
+    decode: Callable[[Sequence[int]], str] | None = None  # a top token's text
 
 
 class Generation:
@@ -77,6 +79,9 @@ class Generation:
         n = options.n
         self.token_texts: list[list[str]] = [[] for _ in range(n)]
         self.token_logprobs: list[list[float]] = [[] for _ in range(n)]
+        # Per token, its top alternatives as (text, logprob), most likely first.
+        self.token_tops: list[list[list[tuple[str, float]]]] = [[] for _ in range(n)]
+        self._token_text: dict[int, str] = {}
 
     @property
     def done(self) -> bool:
@@ -137,10 +142,24 @@ class Generation:
             texts = self.token_texts[event.index]
             texts.extend([event.text] + [""] * (len(event.token_ids) - 1))
             self.token_logprobs[event.index].extend(lps)
+            if self.options.top_logprobs:
+                tops = event.top_logprobs or [[] for _ in event.token_ids]
+                self.token_tops[event.index].extend(
+                    [(self._text_of(t), lp) for t, lp in top] for top in tops
+                )
         if event.finished:
             assert event.result is not None
             self.results[event.index] = event.result
         return event
+
+    def _text_of(self, token: int) -> str:
+        """One token's own text (special tokens shown), as OpenAI lists alternatives."""
+        text = self._token_text.get(token)
+        if text is None:
+            decode = self.options.decode
+            text = decode([token]) if decode is not None else str(token)
+            self._token_text[token] = text
+        return text
 
     def _events(self) -> AsyncIterator[StreamEvent]:
         async def gen() -> AsyncIterator[StreamEvent]:
@@ -336,12 +355,25 @@ class Generation:
         if not self.options.logprobs:
             return None
         texts, lps = self.token_texts[index][start:], self.token_logprobs[index][start:]
+        tops = self._tops(index, start, len(texts))
         return {
             "content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                for t, lp in zip(texts, lps, strict=True)
+                {
+                    "token": t,
+                    "logprob": lp,
+                    "bytes": list(t.encode()),
+                    "top_logprobs": [
+                        {"token": tt, "logprob": tlp, "bytes": list(tt.encode())} for tt, tlp in top
+                    ],
+                }
+                for t, lp, top in zip(texts, lps, tops, strict=True)
             ]
         }
+
+    def _tops(self, index: int, start: int, count: int) -> list[list[tuple[str, float]]]:
+        if not self.options.top_logprobs:
+            return [[] for _ in range(count)]
+        return self.token_tops[index][start : start + count]
 
     def _completion_logprobs(self, index: int, start: int, offset: int) -> dict[str, Any] | None:
         if not self.options.logprobs:
@@ -351,10 +383,20 @@ class Generation:
         for t in texts:
             offsets.append(offset)
             offset += len(t)
+        top_logprobs = None
+        if self.options.top_logprobs:
+            # A dict per token, as OpenAI's legacy API: alternatives whose texts are the
+            # same (rare: two ids for one string) keep the most likely one's logprob.
+            top_logprobs = []
+            for top in self._tops(index, start, len(texts)):
+                alternatives: dict[str, float] = {}
+                for t, lp in top:
+                    alternatives.setdefault(t, lp)
+                top_logprobs.append(alternatives)
         return {
             "tokens": texts,
             "token_logprobs": self.token_logprobs[index][start:],
-            "top_logprobs": None,
+            "top_logprobs": top_logprobs,
             "text_offset": offsets,
         }
 

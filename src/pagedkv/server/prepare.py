@@ -9,27 +9,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.engine.defaults import resolve_sampling
 from pagedkv.engine.grammar import GrammarError, ResponseFormat
 from pagedkv.engine.sampling import SamplingParams
+from pagedkv.model.generation_defaults import SamplingDefaults
 from pagedkv.server.http_errors import APIError, bad_request
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import history_tool_calls
 
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; clients wanting greedy send 0
-# top_p below this is greedy. OpenAI clients send 0 for "most likely token only", and the
-# sampler compares in float32, where values under ~1e-38 become 0 and drop every token.
-MIN_TOP_P = 1e-6
-MIN_TEMPERATURE = 1e-5  # below this is greedy too: logits / 1e-300 overflow to inf
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default, when the model recommends none; greedy is 0
+
+# Fields the schema accepts but this server does not implement, refused unless they
+# hold their "off" value: (name, off value, why).
+_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
+    ("min_tokens", 0, "min_tokens is not supported; send 0 or leave it out"),
+    ("use_beam_search", False, "beam search is not supported"),
+    ("length_penalty", 1.0, "length_penalty (beam search) is not supported"),
+    ("prompt_logprobs", None, "prompt_logprobs is not supported; leave it out"),
+    ("allowed_token_ids", None, "allowed_token_ids is not supported; use logit_bias"),
+    ("bad_words", None, "bad_words is not supported; use logit_bias"),
+)
 
 
 def check_supported(body: _SamplingRequest) -> None:
     """Refuse fields the schema accepts but this server cannot honour."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise bad_request(f"{name} is not supported; send 0 or leave it out", name)
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported; leave it out", "logit_bias")
+    for name, off, why in _UNSUPPORTED:
+        if getattr(body, name) != off:
+            raise bad_request(why, name)
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise bad_request("echo is not supported", "echo")
@@ -37,15 +44,16 @@ def check_supported(body: _SamplingRequest) -> None:
             raise bad_request("suffix (insertion) is not supported", "suffix")
         if body.best_of not in (None, 1):
             raise bad_request("best_of > 1 is not supported", "best_of")
-        if body.logprobs:
-            raise bad_request(
-                "only the sampled token's logprob is available: send logprobs=0", "logprobs"
-            )
-    if isinstance(body, ChatCompletionRequest) and body.top_logprobs:
-        raise bad_request(
-            "top_logprobs > 0 is not supported: only the sampled token's logprob is available",
-            "top_logprobs",
-        )
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        for name in ("functions", "function_call"):
+            if getattr(body, name) is not None:
+                raise bad_request(
+                    f"{name} (the deprecated function-calling form) is not supported; "
+                    "send tools and tool_choice",
+                    name,
+                )
 
 
 def completion_prompt(body: CompletionRequest) -> str | list[int]:
@@ -205,26 +213,65 @@ def response_format(body: _SamplingRequest, tools: ToolMode | None) -> ResponseF
 
 
 def sampling_params(
-    body: _SamplingRequest, max_tokens: int, logprobs: bool, tools: ToolMode | None = None
+    body: _SamplingRequest,
+    max_tokens: int,
+    logprobs: bool,
+    defaults: SamplingDefaults | None = None,
+    vocab_size: int | None = None,
+    tools: ToolMode | None = None,
 ) -> SamplingParams:
-    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
-    if top_p < MIN_TOP_P or temperature < MIN_TEMPERATURE:
-        temperature, top_p = 0.0, 1.0  # a nucleus this small holds only the top token
-    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    """The engine's SamplingParams; fields the request leaves out take the model's
+    recommended `defaults` (none for a greedy request: `engine.defaults`), and the
+    output follows `response_format` or a required tool call's grammar (`tools`)."""
+    top_logprobs = 0
+    if isinstance(body, ChatCompletionRequest):
+        top_logprobs = body.top_logprobs or 0
+    elif isinstance(body, CompletionRequest):
+        top_logprobs = body.logprobs or 0
+    chosen = resolve_sampling(
+        defaults,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k if body.top_k is None or body.top_k > 0 else 0,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        fallback_temperature=DEFAULT_TEMPERATURE,
+    )
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    stop_ids = list(body.stop_token_ids or ())
+    check_token_ids(stop_ids, vocab_size, "stop_token_ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
+            temperature=chosen.temperature,
+            top_p=chosen.top_p,
+            top_k=chosen.top_k,
+            min_p=chosen.min_p,
+            repetition_penalty=chosen.repetition_penalty,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=logit_bias(body.logit_bias, vocab_size),
             seed=body.seed,
             stop=stop,
+            stop_token_ids=stop_ids,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
             ignore_eos=body.ignore_eos,
             n=body.n,
             response_format=response_format(body, tools),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as JSON object keys) with int keys."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isascii() or not key.isdigit() or len(key) > 10:
+            raise bad_request(
+                f'logit_bias keys are token ids ("1234"), got {key[:40]!r}', "logit_bias"
+            )
+        out[int(key)] = value
+    check_token_ids(list(out), vocab_size, "logit_bias")
+    return out

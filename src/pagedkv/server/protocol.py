@@ -2,10 +2,11 @@
 
 Requests are validated strictly (no "5" for 5, no 1.5 for an int) and unknown
 fields are ignored, as most OpenAI-compatible servers do, so clients that send
-newer fields keep working. Fields this server cannot honour (penalties,
-image parts, top alternatives for logprobs) are parsed and refused by
-the app with a 400 that names the field and says why, rather than silently
-dropped; the OpenAPI schema documents only the values that are served.
+newer fields keep working. Every sampling field OpenAI or vLLM defines is declared
+here: honoured, or parsed and refused by the app with a 400 that names the field
+and says why (image parts, `echo`, `suffix`, `best_of`, beam search...), never
+silently dropped; the OpenAPI schema documents only the values that are served.
+The list, field by field, is docs/usage.md's "Sampling fields".
 """
 
 from __future__ import annotations
@@ -75,12 +76,28 @@ class _SamplingRequest(_Request):
     n: int = Field(1, ge=1, le=64, description="choices: samples that share the prompt's KV")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, json_schema_extra=_ONLY(0))
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, json_schema_extra=_ONLY(0))
-    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
-    user: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, le=100.0, description="extension (vLLM); 1 turns it off"
+    )
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="extension (vLLM); 0 is off")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=1024, description="token id (as a string) -> bias added to its logit"
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        None, max_length=64, description="extension (vLLM); stop after any of these tokens"
+    )
+    user: str | None = Field(None, description="accepted as metadata; it changes nothing")
     ignore_eos: bool = Field(False, description="extension; generate max_tokens tokens")
     response_format: ResponseFormatIn | None = None
+    # vLLM's sampling extensions this server does not implement: refused unless off.
+    min_tokens: int = Field(0, ge=0, json_schema_extra=_ONLY(0))
+    use_beam_search: bool = Field(False, json_schema_extra={"enum": [False]})
+    length_penalty: float = Field(1.0, json_schema_extra=_ONLY(1))
+    prompt_logprobs: int | None = Field(None, json_schema_extra={"maxProperties": 0})
+    allowed_token_ids: list[int] | None = Field(None, json_schema_extra={"maxItems": 0})
+    bad_words: list[str] | None = Field(None, json_schema_extra={"maxItems": 0})
     cache_salt: Text | None = Field(
         None,
         min_length=1,
@@ -91,7 +108,9 @@ class _SamplingRequest(_Request):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
-    logprobs: int | None = Field(None, ge=0, le=5, json_schema_extra=_ONLY(0))
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="the sampled token's logprob and the k most likely"
+    )
     echo: bool = Field(False, json_schema_extra={"enum": [False]})
     suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})
     best_of: int | None = Field(None, ge=1, json_schema_extra=_ONLY(1))
@@ -155,10 +174,17 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20, json_schema_extra=_ONLY(0))
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
     tools: list[ToolDef] | None = Field(None, max_length=512)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Metadata: accepted so that clients sending them work; none changes the output.
+    store: bool | None = Field(None, description="accepted; nothing is stored")
+    metadata: dict[str, str] | None = Field(None, description="accepted; it changes nothing")
+    service_tier: str | None = Field(None, description="accepted; every request is served alike")
+    # The deprecated function-calling fields: refused, with a pointer to tools.
+    functions: list[dict[str, Any]] | None = Field(None, json_schema_extra={"maxItems": 0})
+    function_call: str | dict[str, Any] | None = Field(None, json_schema_extra={"enum": [None]})
 
 
 # -- responses ---------------------------------------------------------------
