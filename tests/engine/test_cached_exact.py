@@ -33,7 +33,7 @@ def _run(
     with Engine.from_pretrained(str(model), config=config, dtype=dtype) as eng:
         got = answers(eng, prompts, PARAMS)
         if cache:  # each later prompt really found the prefix
-            assert eng.generate(prompts[1], PARAMS).cached_tokens >= len(PREFIX)
+            assert eng.generate(prompts[1], PARAMS).cached_tokens >= len(prompts[0]) // BS * BS
     return got
 
 
@@ -64,5 +64,22 @@ def test_cached_equals_fresh_bit_for_bit_for_any_suffix(
     prompts = _prompts(suffixes)
     want = _run(tiny_llama_dir, dtype, kv_dtype, prompts, cache=False)
     got = _run(tiny_llama_dir, dtype, kv_dtype, prompts, cache=True)
+    for n, (g, w) in zip([0, *suffixes], zip(got, want, strict=True), strict=True):
+        assert g == w, f"suffix of {n} tokens after the cached prefix"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bundled_model_bfloat16_cached_equals_fresh_for_any_suffix() -> None:
+    """The report's case: the bundled model in bfloat16 (packed for oneDNN where the CPU
+    multiplies bfloat16 natively), where a one- to three-token suffix rounded otherwise
+    (measured: logits 0.25-0.31 apart); the tiny model's bfloat16 happens to hide it."""
+    _packed_bfloat16_note("bfloat16")
+    prefix = random_prompt(310, 64)
+    suffixes = [1, 2, 3, 20]
+    prompts = [prefix] + [prefix + random_prompt(320 + n, n) for n in suffixes]
+    model = Path("smollm2-135m")
+    want = _run(model, "bfloat16", "auto", prompts, cache=False)
+    got = _run(model, "bfloat16", "auto", prompts, cache=True)
     for n, (g, w) in zip([0, *suffixes], zip(got, want, strict=True), strict=True):
         assert g == w, f"suffix of {n} tokens after the cached prefix"
