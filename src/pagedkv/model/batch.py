@@ -197,10 +197,10 @@ def _span(
         rows = torch.arange(num_rows, device=device).clamp_(max=n - 1)
         pos = (start + rows).unsqueeze(1)
         kpos = torch.arange(low, low + padded, device=device).unsqueeze(0)
-        mask = kpos <= pos  # also hides the padding keys, all past the chunk's end
+        seen = kpos <= pos  # also hides the padding keys, all past the chunk's end
         if window is not None:
-            mask &= kpos > pos - window
-        return _Span(first, n, low, mask, *views, rows=first + rows, padded_keys=padded)
+            seen &= kpos > pos - window
+        return _Span(first, n, low, seen, *views, rows=first + rows, padded_keys=padded)
     mask: torch.Tensor | None = None
     if n > 1 or (window is not None and start - low >= window):
         pos = torch.arange(start, end, device=device).unsqueeze(1)
