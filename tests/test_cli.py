@@ -83,13 +83,13 @@ def test_generate_then_cache_commands(tiny_llama_dir: Path, tmp_path: Path) -> N
         text=True,
         timeout=60,
     )
-    stats = run("stats")
+    stats = run("stats", "--json")
     assert stats.returncode == 0 and '"num_blocks"' in stats.stdout
     per_token = json.loads(stats.stdout)["bytes_per_token"]
     assert len(per_token) == 1 and 512 < next(iter(per_token.values())) < 1024  # float32 KV
     assert run("check").returncode == 0
-    assert "removed" in run("clear").stdout
-    assert '"num_blocks": 0' in run("stats").stdout
+    assert "removed" in run("clear", "--yes").stdout
+    assert '"num_blocks": 0' in run("stats", "--json").stdout
     missing = subprocess.run(
         [
             sys.executable,

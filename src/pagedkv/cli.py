@@ -1,4 +1,4 @@
-"""`pagedkv serve | generate | bench | cache`.
+"""`pagedkv serve | generate | bench | cache`; `pagedkv --version`.
 
 Every flag also reads an environment variable `PAGEDKV_<FLAG>` (dashes become
 underscores), e.g. `PAGEDKV_RAM_CACHE=2GB`; a flag on the command line wins.
@@ -7,14 +7,12 @@ underscores), e.g. `PAGEDKV_RAM_CACHE=2GB`; a flag on the command line wins.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from pagedkv.config import default_ssd_cache_dir
+from pagedkv.cli_cache import add_cache_commands
 from pagedkv.flags import (
     add_cache_flags,
     add_model_flags,
@@ -68,6 +66,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """Check the flags and bind the port first, then load the model (`pagedkv.startup`):
+    a mistake fails in a second, not after the load."""
+    from pagedkv.startup import bind_port, check_serve_flags
+
+    check_serve_flags(args)
+    sock = bind_port(args.host, args.port)
+    try:
+        return _serve_on(args, sock)
+    finally:
+        sock.close()
+
+
+def _serve_on(args: argparse.Namespace, sock: Any) -> int:
     from pagedkv.server.limits import RequestLimits
     from pagedkv.server.serve import load_api_keys, run_server
 
@@ -83,6 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = _load_engine(args)
     return run_server(
         engine,
+        sock=sock,
         host=args.host,
         port=args.port,
         api_keys=keys,
@@ -91,10 +103,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=RequestLimits(args.max_messages, args.max_content_chars),
         max_requests_per_key=per_key or None,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+        header_timeout=args.header_timeout,
         receive_timeout=args.receive_timeout,
+        metrics_keys=list(args.metrics_key or []),
         keys_on_command_line=args.keys_on_command_line,
         log_level=args.log_level,
         tool_call_parser=args.tool_call_parser,
+        # The command line's names replace PAGEDKV_SERVED_MODEL_NAME's (comma-separated).
+        served_model_names=args.served_model_name
+        or [n.strip() for n in str(env("--served-model-name", "")).split(",") if n.strip()],
     )
 
 
@@ -111,42 +129,65 @@ class _KeyFlag(argparse._AppendAction):
 
 
 def _add_server_limit_flags(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument(
+    limits = serve.add_argument_group("limits")
+    limits.add_argument(
+        "--max-queue",
+        type=int,
+        default=int(env("--max-queue", 64)),
+        help="requests queued or running before new ones get 429 (default 64)",
+    )
+    limits.add_argument(
         "--max-body-bytes",
         type=int,
         default=int(env("--max-body-bytes", 8 * 1024 * 1024)),
-        help="largest request body, in bytes; larger ones get 413 (default 8 MiB)",
+        help="largest request body, in bytes; larger ones get 413 (default 8388608: 8 MiB)",
     )
-    serve.add_argument(
+    limits.add_argument(
         "--max-messages",
         type=int,
         default=int(env("--max-messages", 2048)),
         help="most messages in one chat request; more get 400 (default 2048)",
     )
-    serve.add_argument(
+    limits.add_argument(
         "--max-content-chars",
         type=int,
         default=int(env("--max-content-chars", 4_000_000)),
-        help="most characters of text in one request's messages or prompt (default 4000000)",
+        help="most characters in one request's strings and keys, in any field: messages, "
+        "prompt, tools, response_format, metadata... (default 4000000)",
     )
-    serve.add_argument(
+    limits.add_argument(
         "--max-requests-per-key",
         type=int,
         default=_optional_int(env("--max-requests-per-key")),
-        help="requests one API key may have running; more get 429 (default: half of "
-        "--max-queue when there are several keys; 0: no limit)",
+        help="sequences one API key may have running (a request counts its n samples); "
+        "more get 429 (default: half of --max-queue when there are several keys; 0: no limit)",
     )
-    serve.add_argument(
+    limits.add_argument(
         "--max-connections",
         type=int,
         default=int(env("--max-connections", 1024)),
-        help="open connections at once; requests past it get 503 (default 1024)",
+        help="open connections at once; requests past it get 503, except /health and "
+        "/metrics (default 1024)",
     )
-    serve.add_argument(
+    limits.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=_optional_int(env("--max-connections-per-client")),
+        help="open connections one client address may hold; more are refused with 503 "
+        "(default: a quarter of --max-connections; 0: no cap, e.g. behind a proxy)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=float(env("--header-timeout", 10.0)),
+        help="seconds a client has to send a request's headers; slower ones are "
+        "disconnected (default 10; at most --receive-timeout)",
+    )
+    limits.add_argument(
         "--receive-timeout",
         type=float,
         default=float(env("--receive-timeout", 30.0)),
-        help="seconds a client has to send a whole request; slower ones are "
+        help="seconds a client has to send a whole request, body included; slower ones are "
         "disconnected (default 30)",
     )
 
@@ -157,151 +198,222 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
-def cmd_cache(args: argparse.Namespace) -> int:
-    import dataclasses
+class _VersionAction(argparse.Action):
+    """`--version`: this package's version and the two libraries that decide what a
+    model computes, read from the installed metadata (nothing is imported)."""
 
-    from pagedkv.storage.ssd.maintenance import cache_stats, check_cache, clear_cache
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.setdefault("help", "print the versions of pagedkv, torch and transformers")
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
-    directory = Path(args.ssd_cache_dir).expanduser()
-    if not (directory / "index.sqlite").exists():
-        print(f"no SSD cache at {directory}", file=sys.stderr)
-        return 1 if args.action == "check" else 0
-    if args.action == "stats":
-        print(json.dumps(dataclasses.asdict(cache_stats(directory)), indent=2, default=str))
-        return 0
-    if args.action == "clear":
-        removed = clear_cache(directory, namespace=args.namespace)
-        print(f"removed {removed} blocks from {directory}")
-        return 0
-    report = check_cache(directory, fix=args.fix)
-    print(f"{directory}: {report.num_blocks} blocks, {report.bytes_used / 2**20:.1f} MiB")
-    for what in ("rows_without_file", "files_without_row", "temp_files", "corrupt_files"):
-        found = getattr(report, what)
-        if found:
-            print(
-                f"  {what.replace('_', ' ')}: {len(found)}" + (" (fixed)" if report.fixed else "")
-            )
-    if report.problems == 0:
-        print("  no problems found")
-    elif not report.fixed:
-        print("  run `pagedkv cache check --fix` to repair")
-    return 0 if report.ok else 1
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        print(version_text())
+        parser.exit(0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pagedkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    lines = []
+    for name in ("pagedkv", "torch", "transformers"):
+        try:
+            lines.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            lines.append(f"{name} (not installed)")
+    return "\n".join(lines)
+
+
+def _add_server_flags(serve: argparse.ArgumentParser) -> None:
+    server = serve.add_argument_group("server")
+    server.add_argument(
+        "--host",
+        default=env("--host", "127.0.0.1"),
+        help="address to listen on (default 127.0.0.1: this host only; 0.0.0.0 for all)",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    server.add_argument(
+        "--port",
+        type=int,
+        default=int(env("--port", 8000)),
+        help="TCP port to listen on (default 8000; 0 picks a free one, logged at start-up)",
+    )
+    server.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a name requests may give as `model` (repeatable); the first is the id "
+        "GET /v1/models shows (default: the model's own name, which is always accepted)",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=env("--tool-call-parser"),
+        help="the model's tool-call format (default: guessed from its chat template)",
+    )
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    add_model_flags(serve)
-    add_cache_flags(serve)
-    add_scheduler_flags(serve)
-    serve.add_argument("--host", default=env("--host", "127.0.0.1"))
-    serve.add_argument("--port", type=int, default=int(env("--port", 8000)))
+
+def _add_key_flags(serve: argparse.ArgumentParser) -> None:
+    keys = serve.add_argument_group("API keys (security)")
     serve.set_defaults(keys_on_command_line=False)
-    serve.add_argument(
+    keys.add_argument(
         "--api-key",
         action=_KeyFlag,
         default=[k for k in str(env("--api-key", "")).split(",") if k],
         help="accept this API key (repeatable; prefer PAGEDKV_API_KEY or --api-keys-file: "
-        "the command line shows in ps); none = no authentication",
+        "the command line shows in ps); default: none, so no authentication",
     )
-    serve.add_argument(
-        "--api-keys-file", default=env("--api-keys-file"), help="file with one API key per line"
+    keys.add_argument(
+        "--api-keys-file",
+        default=env("--api-keys-file"),
+        help="file with one API key per line (default: none)",
     )
-    serve.add_argument(
+    keys.add_argument(
         "--admin-key",
         action=_KeyFlag,
         default=[k for k in str(env("--admin-key", "")).split(",") if k],
         help="a key that may also clear the cache and see global statistics (repeatable; "
         "default: none, so no key may; prefer PAGEDKV_ADMIN_KEY or --admin-keys-file)",
     )
-    serve.add_argument(
+    keys.add_argument(
         "--admin-keys-file",
         default=env("--admin-keys-file"),
-        help="file with one admin key per line",
+        help="file with one admin key per line (default: none)",
     )
-    serve.add_argument(
-        "--tool-call-parser",
-        choices=["hermes", "llama3_json"],
-        default=env("--tool-call-parser"),
-        help="the model's tool-call format (default: guessed from its chat template)",
+    keys.add_argument(
+        "--metrics-key",
+        action=_KeyFlag,
+        default=[k for k in str(env("--metrics-key", "")).split(",") if k],
+        help="a key that may read /metrics and nothing else (repeatable; prefer "
+        "PAGEDKV_METRICS_KEY); with API keys, /metrics needs this or an admin key "
+        "(default: none)",
     )
-    serve.add_argument(
-        "--max-queue",
+
+
+def _add_generation_flags(gen: argparse.ArgumentParser) -> None:
+    g = gen.add_argument_group("generation")
+    g.add_argument("prompt", help="the text to answer (a chat message unless --raw)")
+    g.add_argument(
+        "--max-tokens",
         type=int,
-        default=int(env("--max-queue", 64)),
-        help="requests queued or running before new ones get 429 (default 64)",
+        default=int(env("--max-tokens", 128)),
+        help="most tokens to generate (default 128)",
     )
-    _add_server_limit_flags(serve)
-    serve.set_defaults(func=cmd_serve)
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=float(env("--temperature", 0.0)),
+        help="sampling temperature (default 0.0: greedy, the same output every time)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed for sampling (default: none, a fresh one each run)",
+    )
+    g.add_argument(
+        "--raw",
+        action="store_true",
+        help="plain completion, no chat template (default: the model's chat template)",
+    )
 
-    gen = sub.add_parser("generate", help="generate text for one prompt")
-    add_model_flags(gen)
-    add_cache_flags(gen)
-    add_scheduler_flags(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=int(env("--max-tokens", 128)))
-    gen.add_argument("--temperature", type=float, default=float(env("--temperature", 0.0)))
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--raw", action="store_true", help="plain completion, no chat template")
-    gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="measure prefix reuse on realistic workloads")
-    add_model_flags(bench)
-    add_cache_flags(bench)
-    add_scheduler_flags(bench)
-    bench.add_argument(
+def _add_workload_flags(bench: argparse.ArgumentParser) -> None:
+    g = bench.add_argument_group("workload")
+    g.add_argument(
         "--workload",
         action="append",
         choices=["chat", "agent", "shared-prefix", "restart"],
         help="workload to run (repeatable; default: all)",
     )
-    bench.add_argument("--quick", action="store_true", help="small sizes, minutes not hours")
-    bench.add_argument("--out", default=env("--out"), help="write results.json and a plot here")
-    bench.add_argument(
+    g.add_argument(
+        "--quick", action="store_true", help="small sizes, minutes not hours (default: full)"
+    )
+    g.add_argument(
+        "--out",
+        default=env("--out"),
+        help="write results.json and a plot here (default: print only)",
+    )
+    g.add_argument(
         "--url",
         default=env("--url"),
-        help="run against a running OpenAI-compatible server instead",
+        help="run against a running OpenAI-compatible server instead (default: load the "
+        "model here)",
     )
-    bench.add_argument(
+    g.add_argument(
         "--api",
         choices=["openai", "anthropic"],
         default=env("--api", "openai"),
-        help="with --url: chat completions (default) or the Anthropic Messages route",
+        help="with --url: chat completions (default openai) or the Anthropic Messages route",
     )
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument(
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the generated workloads and sampling (default 0)",
+    )
+    g.add_argument(
         "--concurrency",
         type=int,
         default=int(env("--concurrency", 1)),
         help="users sending requests at once (default 1); each session stays in order",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action=_VersionAction)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    add_model_flags(serve)
+    _add_server_flags(serve)
+    add_cache_flags(serve)
+    add_scheduler_flags(serve)
+    _add_key_flags(serve)
+    _add_server_limit_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    add_model_flags(gen)
+    _add_generation_flags(gen)
+    add_cache_flags(gen)
+    add_scheduler_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="measure prefix reuse on realistic workloads")
+    add_model_flags(bench)
+    _add_workload_flags(bench)
+    add_cache_flags(bench)
+    add_scheduler_flags(bench)
     bench.set_defaults(func=cmd_bench)
 
-    cache = sub.add_parser("cache", help="inspect or repair the SSD tier")
-    cache.add_argument("action", choices=["stats", "check", "clear"])
-    cache.add_argument(
-        "--ssd-cache-dir", default=env("--ssd-cache-dir", str(default_ssd_cache_dir()))
-    )
-    cache.add_argument("--fix", action="store_true", help="with check: repair what it finds")
-    cache.add_argument("--namespace", default=None, help="with clear: only this model namespace")
-    cache.set_defaults(func=cmd_cache)
+    add_cache_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run a command; its exit status. A failure is one paragraph on stderr, no
+    traceback unless --log-level debug (`pagedkv.startup` lists the statuses)."""
+    from pagedkv.startup import report_environment_error, report_failure
+
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a PAGEDKV_* default that a flag's type refuses
+        return report_environment_error(exc)
+    args = parser.parse_args(argv)
+    log_level = getattr(args, "log_level", "info")
     logging.basicConfig(
-        level=getattr(args, "log_level", "info").upper(),
+        level=log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        return report_failure(exc, args.command, debug=log_level == "debug")
 
 
 if __name__ == "__main__":

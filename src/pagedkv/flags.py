@@ -29,90 +29,105 @@ def env_bool(flag: str) -> bool:
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    g = p.add_argument_group("model")
+    g.add_argument(
         "--model",
         default=env("--model", DEFAULT_MODEL),
-        help=f"model directory or the bundled '{DEFAULT_MODEL}' (default)",
+        help=f"the bundled '{DEFAULT_MODEL}' (the default), a Hugging Face model directory, a "
+        ".gguf file, or a Hub id ORG/NAME[@REVISION] already in the local Hugging Face cache "
+        "(never downloaded; see docs/usage.md)",
     )
-    p.add_argument("--device", default=env("--device", "auto"), choices=["auto", "cpu", "cuda"])
-    p.add_argument(
+    g.add_argument(
+        "--device",
+        default=env("--device", "auto"),
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs (default auto: cuda when available, else cpu)",
+    )
+    g.add_argument(
         "--dtype",
         default=env("--dtype", "auto"),
         choices=list(DTYPES),
-        help="weights and activations: auto (float32 on CPU, bfloat16 on CUDA); bfloat16 or "
-        "int8 weights decode faster on the CPU at a measured quality cost (docs/usage.md)",
+        help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA); "
+        "bfloat16 or int8 weights decode faster on the CPU at a measured quality cost "
+        "(docs/usage.md)",
     )
-    p.add_argument(
+    g.add_argument(
         "--log-level",
         default=env("--log-level", "info"),
         choices=["debug", "info", "warning", "error"],
+        help="least severe log messages shown (default info)",
     )
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    g = p.add_argument_group("cache tiers")
+    g.add_argument(
         "--block-size",
         type=int,
         default=int(env("--block-size", 64)),
         help="tokens per KV block, a power of two (default 64)",
     )
-    p.add_argument(
+    g.add_argument(
         "--ram-cache",
         default=env("--ram-cache"),
         help="RAM tier budget, e.g. 2GB (default: 25%% of available memory, <= 8 GiB)",
     )
-    p.add_argument(
+    g.add_argument(
         "--ssd-cache-dir",
         default=env("--ssd-cache-dir", str(default_ssd_cache_dir())),
-        help="persistent SSD tier directory (default ~/.cache/pagedkv/kv)",
+        help="persistent SSD tier directory (default <cache home>/kv: ~/.cache/pagedkv/kv, "
+        "or under $PAGEDKV_CACHE_HOME or $XDG_CACHE_HOME when set)",
     )
-    p.add_argument(
+    g.add_argument(
         "--ssd-cache",
         default=env("--ssd-cache"),
         help="SSD tier capacity, e.g. 20GiB (default min(20 GiB, 10%% of free disk))",
     )
-    p.add_argument(
+    g.add_argument(
         "--no-ssd-cache",
         action="store_true",
         default=env_bool("--no-ssd-cache"),
-        help="keep the cache in RAM only",
+        help="keep the cache in RAM only: nothing is written to disk (default: the SSD tier is on)",
     )
-    p.add_argument(
+    g.add_argument(
         "--redis-url",
         default=env("--redis-url"),
-        help="shared Redis tier, e.g. redis://127.0.0.1:6379/0",
+        help="shared Redis tier, e.g. redis://127.0.0.1:6379/0 (default: none)",
     )
-    p.add_argument(
+    g.add_argument(
         "--redis-cluster",
         action="store_true",
         default=env_bool("--redis-cluster"),
-        help="--redis-url names a node of a Redis Cluster: blocks spread over its shards",
+        help="--redis-url names a node of a Redis Cluster: blocks spread over its shards "
+        "(default: a single Redis server)",
     )
-    p.add_argument(
+    g.add_argument(
         "--cache-secret-file",
         default=env("--cache-secret-file"),
         help="file holding a secret that authenticates every block on SSD and Redis "
-        "(or set PAGEDKV_CACHE_SECRET); recommended for any shared store, see docs/security.md",
+        "(or set PAGEDKV_CACHE_SECRET); recommended for any shared store, see "
+        "docs/security.md (default: none)",
     )
-    p.add_argument(
+    g.add_argument(
         "--hash-algorithm",
         default=env("--hash-algorithm", "xxh3_128"),
         choices=["xxh3_128", "sha256"],
+        help="hash chaining the blocks of a prefix (default xxh3_128)",
     )
-    p.add_argument(
+    g.add_argument(
         "--kv-dtype",
         default=env("--kv-dtype", "auto"),
         choices=list(KV_DTYPES),
-        help="how KV is held, live and in every tier: the model's dtype (auto), bfloat16, "
-        "float16, or int8 with a scale per token and head (see docs/usage.md)",
+        help="how KV is held, live and in every tier: the model's dtype (default auto), "
+        "bfloat16, float16, or int8 with a scale per token and head (see docs/usage.md)",
     )
-    p.add_argument(
+    g.add_argument(
         "--no-prefix-cache",
         action="store_true",
         default=env_bool("--no-prefix-cache"),
-        help="turn prefix caching off",
+        help="turn prefix caching off (default: on)",
     )
-    p.add_argument(
+    g.add_argument(
         "--snapshot-interval-blocks",
         type=int,
         default=int(env("--snapshot-interval-blocks", 1)),
@@ -122,32 +137,33 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    g = p.add_argument_group("batch (scheduling)")
+    g.add_argument(
         "--kv-budget",
         default=env("--kv-budget"),
         help="memory for the KV of running requests, e.g. 2GB; requests wait for room and "
         "the newest is preempted when it runs out (default: 20%% of available memory, "
         "<= 4 GiB)",
     )
-    p.add_argument(
+    g.add_argument(
         "--max-num-seqs",
         type=int,
         default=int(env("--max-num-seqs", 16)),
         help="sequences decoding together in one batch (default 16)",
     )
-    p.add_argument(
+    g.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=int(env("--max-num-batched-tokens", 512)),
         help="tokens one step computes: each decoding sequence's next token plus prefill "
         "chunks of new requests (default 512)",
     )
-    p.add_argument(
+    g.add_argument(
         "--deterministic",
         action="store_true",
         default=env_bool("--deterministic"),
         help="make each request's output independent of what else is in the batch "
-        "(slightly slower; see docs/usage.md)",
+        "(slightly slower; see docs/usage.md; default: off)",
     )
 
 

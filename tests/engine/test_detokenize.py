@@ -1,9 +1,11 @@
 """The incremental detokenizer emits exactly what re-decoding the whole answer on every
-token emitted (kept here as the reference), and decodes O(answer) tokens, not O(answer^2)."""
+token emitted (kept here as the reference), and decodes O(answer) tokens, not O(answer^2),
+on any tokens: invalid UTF-8 bytes and tokens that decode to nothing included."""
 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -187,3 +189,134 @@ def test_decoding_work_grows_linearly_with_the_answer() -> None:
     assert old.tokens_decoded >= n * (n + 1) // 2  # the whole answer, every token
     assert new.tokens_decoded <= 4 * n  # a window of a few tokens, every token
     assert new.calls <= 2 * n
+
+
+@functools.cache
+def byte_token_ids() -> list[int]:
+    """The byte-level tokenizer's token for each byte value (its alphabet: any bytes at all)."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 characters
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(others)}
+    assert sorted(chars.values()) == alphabet
+    tok = byte_level()
+    ids = [tok.convert_tokens_to_ids(chars[b]) for b in range(256)]
+    assert tok.decode(ids[0xE6:0xE7] + ids[0x97:0x98] + ids[0xA5:0xA6]) == "日"
+    return ids
+
+
+# Bytes that make every kind of UTF-8 damage: stray continuations, lead bytes cut short
+# (of 2, 3 and 4 byte characters), bytes that never occur (C0, F5-FF), surrogates (ED A0).
+NASTY = [0x80, 0xBF, 0xC3, 0xA9, 0xE6, 0x97, 0xA5, 0xF0, 0x9F, 0x98, 0x80, 0xED, 0xA0, 0xC0,
+         0xF5, 0xFF, 0x41, 0x20]  # fmt: skip
+
+
+def byte_streams(tokenizer: Any) -> st.SearchStrategy[list[int]]:
+    """Runs of single-byte tokens of arbitrary (mostly invalid) UTF-8, mixed with the
+    ids of real text, special tokens and random ids."""
+    ids = byte_token_ids()
+    raw = st.lists(st.sampled_from(NASTY) | st.integers(0, 255), max_size=60).map(
+        lambda bs: [ids[b] for b in bs]
+    )
+    special = st.lists(st.sampled_from([0, 1]), max_size=80)  # SPECIAL_TOKENS: skipped
+    parts = st.lists(st.one_of(raw, token_streams(tokenizer), special), min_size=1, max_size=6)
+    return parts.map(lambda found: [t for p in found for t in p])
+
+
+@SETTINGS
+@given(data=st.data())
+def test_any_bytes_give_the_full_decode_with_a_byte_level_tokenizer(data: st.DataObject) -> None:
+    """Byte-level BPE decodes as UTF-8 with each maximal invalid subpart replaced by one
+    U+FFFD, whatever the bytes: the deltas add up to that, however long the damage."""
+    tokens = data.draw(byte_streams(byte_level()))
+    stop = data.draw(st.lists(st.sampled_from(["a", "\ufffd\ufffd", "日", "A "]), max_size=2))
+    check_same(byte_level(), tokens, stop)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_valid_utf8_in_byte_fallback_tokens_gives_the_full_decode(data: st.DataObject) -> None:
+    """SentencePiece byte fallback: characters outside the vocabulary come as one
+    `<0xNN>` token per byte, split anywhere between text and special tokens."""
+    tok = metaspace()
+    byte_ids = [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)]
+    chars = st.text(st.characters(blacklist_categories=["Cs"]), min_size=1, max_size=8)
+    as_bytes = chars.map(lambda text: [byte_ids[b] for b in text.encode()])
+    special = st.lists(st.sampled_from([0, 1]), max_size=12)
+    parts = st.lists(st.one_of(as_bytes, special, token_streams(tok)), min_size=1, max_size=8)
+    tokens = [t for p in data.draw(parts) for t in p]
+    check_same(tok, tokens, data.draw(st.lists(st.sampled_from(["a", "!", "😀"]), max_size=1)))
+
+
+class ByteDecoder:
+    """Byte-level decoding without a tokenizer, as fast as Python allows: ids below 256
+    are that byte, 256 decodes to nothing (a skipped special token), 257 to a word.
+    Counts the tokens it is asked to decode, and fails once past `budget`."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget
+        self.tokens_decoded = 0
+
+    def decode(self, ids: Sequence[int]) -> str:
+        self.tokens_decoded += len(ids)
+        if self.budget is not None and self.tokens_decoded > self.budget:
+            raise AssertionError(f"decoded {self.tokens_decoded} tokens, over {self.budget}")
+        parts = [bytes([i]) if i < 256 else b"" if i == 256 else WORD for i in ids]
+        return b"".join(parts).decode("utf-8", "replace")
+
+
+WORD = b" linear" * 64
+
+
+def invalid_run(n: int) -> list[int]:
+    """`n` tokens of bytes that never finish a character (cut-short leads, stray
+    continuations, bytes that never occur, tokens of no text between them): the text
+    ends in U+FFFD after every one of them."""
+    cycle = [0xF0, 0x9F, 0x98, 0xF0, 0x80, 0xE6, 0x97, 0xC3, 0xFF, 256, 256, 0x80]
+    return [cycle[i % len(cycle)] for i in range(n)]
+
+
+def test_a_long_run_of_invalid_bytes_is_decoded_in_linear_work() -> None:
+    n = 100_000
+    tokens = invalid_run(n)
+    decoder = ByteDecoder(budget=40 * n)  # a push decodes a bounded window
+    detok = Detokenizer(decoder, SamplingParams(max_tokens=n), ignore=set())
+    deltas = [detok.push(t)[0] for t in tokens]
+    deltas.append(detok.flush())
+    expected = ByteDecoder().decode(tokens)
+    assert "".join(deltas) == expected == detok.text
+    assert expected.count("\ufffd") > n // 2
+
+
+def test_invalid_bytes_through_the_real_tokenizer_cost_a_bounded_window() -> None:
+    ids = byte_token_ids()
+    tokens = [ids[b] if b < 256 else 0 for b in invalid_run(6000)]
+    decoder = CountingDecoder(byte_level())
+    out = run(Detokenizer, decoder, tokens, SamplingParams(max_tokens=10_000))
+    assert "".join(d if isinstance(d, str) else d[0] for d in out) == byte_level().decode(
+        tokens, skip_special_tokens=True
+    )
+    assert decoder.tokens_decoded <= 40 * len(tokens)
+    assert decoder.calls <= 3 * len(tokens)
+
+
+def _seconds(tokens: list[int], stop: tuple[str, ...]) -> float:
+    best = float("inf")
+    for _ in range(3):
+        detok = Detokenizer(ByteDecoder(), SamplingParams(max_tokens=10**6, stop=stop), set())
+        start = time.perf_counter()
+        for t in tokens:
+            detok.push(t)
+        detok.flush()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_the_text_is_not_copied_on_every_token() -> None:
+    """Tokens of long text: a copy of the whole text per token would make 5x the
+    tokens cost 25x the time; linear work costs 5x."""
+    small = [257] * 2000
+    ratio = _seconds(small * 5, ("zz",)) / _seconds(small, ("zz",))
+    assert ratio < 12, f"5x the tokens took {ratio:.1f}x the time"

@@ -15,6 +15,7 @@ from transformers import AutoConfig
 
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model import BUNDLED_MODEL_NAME, ModelAdapter, bundled, fingerprint, load_model
+from pagedkv.model import gguf as gguf_conversion
 from pagedkv.model.hf import resolve_dtype
 from pagedkv.model.kinds import prefix_caching_unsupported_reason, read_layer_kinds
 
@@ -317,13 +318,13 @@ def test_unknown_model_names_are_refused_with_what_is_accepted(tmp_path: Path) -
 # ---- bundled model conversion (fake GGUF; the real one is the slow smoke test) -----
 
 
-def _fake_convert(gguf: Path, target: Path, progress: bool) -> None:
+def _fake_convert(gguf: Path, target: Path, record: dict[str, object], progress: bool) -> None:
     tmp = target.parent / f".{target.name}.tmp-fake"
     tmp.mkdir()
     (tmp / "config.json").write_text("{}")
     (tmp / "model.safetensors").write_bytes(b"weights")
-    (tmp / bundled.SOURCE_MARKER).write_text(json.dumps(bundled._source_record(gguf)))
-    bundled._replace_dir(tmp, target)
+    (tmp / fingerprint.SOURCE_MARKER).write_text(json.dumps(record))
+    gguf_conversion._replace_dir(tmp, target)
 
 
 def test_bundled_conversion_runs_once_and_redoes_on_new_gguf(
@@ -334,11 +335,11 @@ def test_bundled_conversion_runs_once_and_redoes_on_new_gguf(
     monkeypatch.setattr(bundled, "find_bundled_gguf", lambda: gguf)
     calls: list[Path] = []
 
-    def convert(g: Path, target: Path, progress: bool) -> None:
+    def convert(g: Path, target: Path, record: dict[str, object], progress: bool) -> None:
         calls.append(g)
-        _fake_convert(g, target, progress)
+        _fake_convert(g, target, record, progress)
 
-    monkeypatch.setattr(bundled, "_convert", convert)
+    monkeypatch.setattr(gguf_conversion, "_convert", convert)
     leftover = bundled.bundled_model_dir().parent / f".{BUNDLED_MODEL_NAME}.tmp-crashed"
     leftover.mkdir(parents=True)
     target = bundled.ensure_bundled_model(progress=False)

@@ -71,14 +71,22 @@ class FakeEngine:
     def tokenize(self, text: str) -> list[int]:
         return [b + 1 for b in text.encode()]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(t - 1 for t in ids if 0 < t <= 256).decode(errors="replace")
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text = bytes(t - 1 for t in ids if 0 < t <= 256).decode(errors="replace")
+        return text if skip_special_tokens or EOS not in ids else text + "<eos>"
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        return ["<eos>" if t == EOS else repr(bytes([t - 1])) for t in ids]
 
     def encode_continuation(self, text: str) -> list[int]:
         return self.tokenize(text)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         text = "".join(f"<tools>{json.dumps(list(tools))}\n" if tools else "")
         for m in messages:
@@ -86,7 +94,7 @@ class FakeEngine:
             for call in m.get("tool_calls", ()):
                 text += f"<call>{json.dumps(call['function'])}"
             text += "\n"
-        return self.tokenize(text + "<assistant>")
+        return self.tokenize(text + ("<assistant>" if add_generation_prompt else ""))
 
     # -- generation ---------------------------------------------------------
 
@@ -96,8 +104,9 @@ class FakeEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> GenerationResult:
-        for event in self.stream(prompt, params, cache_salt=cache_salt):
+        for event in self.stream(prompt, params, cache_salt=cache_salt, owner=owner):
             if event.finished:
                 assert event.result is not None
                 return event.result
@@ -109,6 +118,7 @@ class FakeEngine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> Iterator[StreamEvent]:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         params = params or SamplingParams()
@@ -124,7 +134,9 @@ class FakeEngine:
             if self.active >= self.max_queue:
                 raise EngineOverloadedError(self.active, self.max_queue)
             self.active += 1
-            self.calls.append({"ids": ids, "params": params, "cache_salt": cache_salt})
+            self.calls.append(
+                {"ids": ids, "params": params, "cache_salt": cache_salt, "owner": owner}
+            )
         return self._run(ids, params, cache_salt)
 
     def _run(

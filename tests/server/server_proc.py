@@ -138,7 +138,21 @@ def main() -> int:
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
     p.add_argument("--drain-timeout", type=float, default=5.0)
+    # Passed on only when given, so that a test of an older run_server fails on its
+    # behaviour rather than on an unknown keyword.
+    limits: dict[str, type] = {
+        "max_connections": int,
+        "max_connections_per_client": int,
+        "header_timeout": float,
+        "receive_timeout": float,
+    }
+    for name, kind in limits.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+    p.add_argument("--metrics-key", action="append", default=[])
     a = p.parse_args()
+    extra = {name: getattr(a, name) for name in limits if getattr(a, name) is not None}
+    if a.metrics_key:
+        extra["metrics_keys"] = a.metrics_key
     cache = CacheConfig(
         block_size=a.block_size, ram_cache_bytes=a.ram_cache, ssd_cache_dir=a.ssd_cache_dir
     )
@@ -153,6 +167,7 @@ def main() -> int:
         max_body_bytes=a.max_body_bytes,
         drain_timeout=a.drain_timeout,
         log_level="info",
+        **extra,
     )
 
 

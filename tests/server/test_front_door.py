@@ -187,3 +187,41 @@ def test_admin_routes_still_need_a_valid_key(path: str) -> None:
     method = client.post if path.endswith("clear") else client.get
     assert method(path).status_code == 401
     assert method(path, headers=bearer("nope")).status_code == 401
+
+
+def test_metrics_need_a_metrics_or_admin_key_once_the_server_has_keys() -> None:
+    engine = FakeEngine()
+    app = create_app(engine, api_keys=["a"], admin_keys=["root"], metrics_keys=["scraper"])
+    client = TestClient(app)
+    # Without a key, one scrape before and one after another tenant's request would
+    # give that request's prompt length and cache hit.
+    assert client.post("/v1/completions", json={"prompt": "secret", "max_tokens": 2},
+                       headers=bearer("a")).status_code == 200  # fmt: skip
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers=bearer("nope")).status_code == 401
+    r = client.get("/metrics", headers=bearer("a"))
+    assert r.status_code == 403 and "--metrics-key" in r.json()["error"]["message"]
+    assert "pagedkv_prompt_tokens" not in r.text
+    for key in ("scraper", "root"):
+        r = client.get("/metrics", headers={"x-api-key": key})
+        assert r.status_code == 200 and "pagedkv_prompt_tokens_total 6.0" in r.text
+    # A metrics key opens /metrics only, never the API.
+    assert client.get("/v1/models", headers=bearer("scraper")).status_code == 401
+    assert client.get("/health").status_code == 200  # orchestrators need no key
+
+    no_admin = TestClient(create_app(FakeEngine(), api_keys=["a"]))
+    assert no_admin.get("/metrics", headers=bearer("a")).status_code == 403
+    single_user = TestClient(create_app(FakeEngine()))
+    assert single_user.get("/metrics").status_code == 200
+    guarded = TestClient(create_app(FakeEngine(), metrics_keys=["scraper"]))
+    assert guarded.get("/metrics").status_code == 401
+    assert guarded.get("/metrics", headers=bearer("scraper")).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_the_api_description_follows_the_api_s_keys(path: str) -> None:
+    client = TestClient(create_app(FakeEngine(), api_keys=["a"]))
+    assert client.get(path).status_code == 401
+    assert client.get(path, headers=bearer("nope")).status_code == 401
+    assert client.get(path, headers=bearer("a")).status_code == 200
+    assert TestClient(create_app(FakeEngine())).get(path).status_code == 200

@@ -36,6 +36,11 @@ def test_keys_on_the_command_line_are_flagged_and_env_or_files_are_not(
     seen = served_with(monkeypatch, "--api-key", "k1", "--admin-key", "root")
     assert seen["keys_on_command_line"] is True
     assert seen["api_keys"] == ["k1"] and seen["admin_keys"] == ["root"]
+    assert served_with(monkeypatch, "--metrics-key", "m")["keys_on_command_line"] is True
+    monkeypatch.setenv("PAGEDKV_METRICS_KEY", "m1,m2")
+    seen = served_with(monkeypatch)
+    assert seen["metrics_keys"] == ["m1", "m2"] and seen["keys_on_command_line"] is False
+    monkeypatch.delenv("PAGEDKV_METRICS_KEY")
 
     monkeypatch.setenv("PAGEDKV_API_KEY", "k1,k2")
     monkeypatch.setenv("PAGEDKV_ADMIN_KEY", "root")
@@ -68,10 +73,16 @@ def test_limit_flags_and_the_per_key_default(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch,
         "--max-messages", "10", "--max-content-chars", "500", "--max-connections", "7",
         "--receive-timeout", "2.5", "--max-body-bytes", "1000",
+        "--max-connections-per-client", "3", "--header-timeout", "1.5",
     )  # fmt: skip
     assert seen["limits"].max_messages == 10 and seen["limits"].max_content_chars == 500
     assert seen["max_connections"] == 7 and seen["receive_timeout"] == 2.5
+    assert seen["max_connections_per_client"] == 3 and seen["header_timeout"] == 1.5
     assert seen["max_body_bytes"] == 1000
+    default = served_with(monkeypatch)
+    assert default["max_connections_per_client"] is None  # a quarter of --max-connections
+    assert serve.default_per_client_cap(1024) == 256 and serve.default_per_client_cap(2) == 1
+    assert default["header_timeout"] == 10.0 < default["receive_timeout"]
     assert seen["max_requests_per_key"] is None  # no keys: single-user, nobody to starve
     two = served_with(monkeypatch, "--api-key", "a", "--api-key", "b", "--max-queue", "10")
     assert two["max_requests_per_key"] == 5  # half the queue

@@ -98,7 +98,25 @@ JSON_CASES: list[tuple[str, Any, int, str | None]] = [
     (CHAT, chat(top_logprobs=2, logprobs=True), 400, "top_logprobs"),
     # The tiny model's template never reads `tools`: the model could not see them.
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    (CHAT, chat(response_format={"type": "regex"}), 400, "response_format.type"),
+    (
+        CHAT,
+        chat(response_format={"type": "json_schema"}),
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        CHAT,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "strin"}},
+            }
+        ),
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (COMPLETIONS, completion(response_format={"type": "xml"}), 400, "response_format.type"),
     (CHAT, chat(cache_salt=""), 400, "cache_salt"),
     (CHAT, chat(cache_salt="s" * 300), 400, "cache_salt"),
     (COMPLETIONS, {}, 400, "prompt"),

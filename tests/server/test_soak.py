@@ -142,6 +142,8 @@ def test_soak_leaves_nothing_held(served: tuple[str, Engine, list[Flaky]]) -> No
     assert stats.cache is not None and stats.scheduling is not None
     assert stats.cache.pool.allocated == 0, "blocks still held after the soak"
     assert stats.scheduling.kv_reserved_bytes == 0
+    books = engine.accounting()
+    assert books.balanced and books.pending_requests == 0, books
     assert stats.scheduling.cache_errors > 0
     assert engine.prefix is not None
     engine._call(engine.prefix.pool.check)

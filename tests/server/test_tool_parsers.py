@@ -101,12 +101,13 @@ def test_streaming_a_false_alarm_is_sent_once_it_cannot_be_a_call() -> None:
     assert stream.finish().content is None
 
 
-def test_forced_prefix_is_parsed_with_the_reply_and_parallel_off_keeps_one() -> None:
-    mode = ToolMode(hermes, hermes.forced_prefix("f"), parallel=False)
-    out = mode.parse('{"a": 1}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>')
+def test_parallel_off_keeps_the_first_call_and_a_bad_reply_is_content() -> None:
+    mode = ToolMode(hermes, None, parallel=False)
+    two = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>' * 2
+    out = mode.parse(two)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("f", {"a": 1})]
-    broken = mode.parse("oops")
-    assert broken.tool_calls == [] and broken.content == hermes.forced_prefix("f") + "oops"
+    broken = mode.parse("<tool_call>oops")
+    assert broken.tool_calls == [] and broken.content == "<tool_call>oops"
 
 
 def test_parser_is_chosen_from_the_template_or_the_flag() -> None:
@@ -124,3 +125,53 @@ def test_parser_is_chosen_from_the_template_or_the_flag() -> None:
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         tool_support(qwen_like, "mistral")
     assert set(PARSERS) == {"hermes", "llama3_json"}
+
+
+def _deep(levels: int) -> str:
+    return '{"a": ' * levels + "1" + "}" * levels
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "a", "arguments": ' + "[" * 50_000 + "</tool_call>",
+        '<tool_call>{"name": "a", "arguments": ' + _deep(900) + "}</tool_call>",
+        '<tool_call>{"name": "a", "arguments": ' + _deep(100) + "}</tool_call>",  # < 1000
+        '<tool_call>{"name": "a", "arguments": ' + json.dumps("[" * 50_000) + "}</tool_call>",
+        '<tool_call>{"name": "a", "arguments": ' + json.dumps(_deep(900)) + "}</tool_call>",
+    ],
+)
+def test_hermes_deeply_nested_output_is_plain_text_and_never_raises(text: str) -> None:
+    """Python's JSON decoder recurses once per level: a model writing `[` 50,000 times used
+    to raise RecursionError out of a parser that promises never to raise."""
+    out = hermes.parse(text)
+    assert out.content == text and out.tool_calls == []
+    stream = ToolStream(ToolMode(hermes))
+    stream.feed(text)
+    assert stream.finish().tool_calls == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "a", "parameters": ' + "[" * 50_000,
+        '{"name": "a", "parameters": ' + _deep(900) + "}",
+        '{"name": "a", "parameters": ' + _deep(100) + "}",
+        '{"name": "a", "parameters": ' + json.dumps("{" * 50_000) + "}",
+    ],
+)
+def test_llama3_deeply_nested_output_is_plain_text_and_never_raises(text: str) -> None:
+    out = llama.parse(text)
+    assert out.content == text and out.tool_calls == []
+
+
+def test_nesting_up_to_the_cap_is_still_a_call() -> None:
+    from pagedkv.server.nesting import MAX_JSON_DEPTH
+
+    # The call object is level 1, so arguments of MAX_JSON_DEPTH - 1 levels reach the cap.
+    args = _deep(MAX_JSON_DEPTH - 1)
+    out = hermes.parse('<tool_call>{"name": "a", "arguments": ' + args + "}</tool_call>")
+    assert [json.loads(c.arguments) for c in out.tool_calls] == [json.loads(args)]
+    too_deep = _deep(MAX_JSON_DEPTH)
+    out = hermes.parse('<tool_call>{"name": "a", "arguments": ' + too_deep + "}</tool_call>")
+    assert out.tool_calls == []

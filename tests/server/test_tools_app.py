@@ -112,8 +112,8 @@ def test_tool_choice_none_renders_tools_but_parses_nothing() -> None:
     assert "get_weather" in engine.decode(engine.calls[-1]["ids"])
 
 
-def test_required_and_named_choice_start_the_call_in_the_prompt() -> None:
-    engine = FakeEngine(max_context=4096, reply='{"city": "Rome"}}\n</tool_call>')
+def test_required_and_named_choice_generate_under_a_call_grammar() -> None:
+    engine = FakeEngine(max_context=4096, reply=CALL.replace("Paris", "Rome"))
     client = client_for(engine)
     named = {"type": "function", "function": {"name": "get_weather"}}
     out = client.chat.completions.create(
@@ -123,16 +123,17 @@ def test_required_and_named_choice_start_the_call_in_the_prompt() -> None:
         tool_choice=named,  # type: ignore[arg-type]
     )
     prompt = engine.decode(engine.calls[-1]["ids"])
-    assert prompt.endswith('<assistant><tool_call>\n{"name": "get_weather", "arguments": ')
+    assert prompt.endswith("<assistant>")  # the prompt is not extended: its cache is shared
+    fmt = engine.calls[-1]["params"].response_format
+    assert fmt is not None and "get_weather" in fmt.what
     (call,) = out.choices[0].message.tool_calls or []
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
         "city": "Rome"
     }
-    engine.reply = 'get_weather", "arguments": {}}</tool_call>'
     out = client.chat.completions.create(
         model="fake-model", messages=USER, tools=[WEATHER], tool_choice="required"
     )
-    assert engine.decode(engine.calls[-1]["ids"]).endswith('<tool_call>\n{"name": "')
+    assert engine.calls[-1]["params"].response_format is not None
     assert out.choices[0].finish_reason == "tool_calls"
     with pytest.raises(openai.BadRequestError) as err:
         other = {"type": "function", "function": {"name": "launch"}}

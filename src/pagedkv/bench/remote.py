@@ -25,17 +25,23 @@ The ideal cache needs token ids, which the API does not return: prompts are
 rendered with the local tokenizer of `--model` (checked against the server's
 `prompt_tokens`), and each answer's ids are its text re-encoded, so the ideal
 is an estimate (`ideal_method`); when the counts disagree it is left out.
+
+While the bench runs, the HTTP clients' loggers (`HTTP_CLIENT_LOGGERS`) log at
+WARNING only: httpx's INFO line per request ("HTTP Request: POST ...") would otherwise land
+between the progress bar's redraws, hundreds of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -69,9 +75,9 @@ def _local_renderer(model: str) -> tuple[Renderer, Any] | None:
     try:
         from transformers import AutoTokenizer
 
-        from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
+        from pagedkv.model.resolve import resolve_model
 
-        directory = ensure_bundled_model() if model.lower() == BUNDLED_MODEL_NAME else model
+        directory = resolve_model(model).directory
         tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except Exception as exc:  # any failure only costs the ideal
         print(
@@ -216,6 +222,31 @@ class _Api:
 
 
 def run_remote(args: argparse.Namespace, names: Sequence[str], size: str) -> list[dict[str, Any]]:
+    with _quiet_http_clients():
+        return _run_remote(args, names, size)
+
+
+# The loggers of the HTTP clients the bench's API clients use (recent `openai`
+# releases ship httpx as `httpx2`).
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore")
+
+
+@contextlib.contextmanager
+def _quiet_http_clients() -> Iterator[None]:
+    """The HTTP clients' per-request INFO lines off (WARNING and up still show);
+    their levels are put back afterwards."""
+    loggers = [logging.getLogger(name) for name in HTTP_CLIENT_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger, level in zip(loggers, levels, strict=True):
+        logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _run_remote(args: argparse.Namespace, names: Sequence[str], size: str) -> list[dict[str, Any]]:
     api = _Api(args)
     client = api.openai
     try:

@@ -18,15 +18,21 @@ from pagedkv.cache.tiers import LowerTiers
 from pagedkv.config import CacheConfig, default_ram_cache_bytes, default_ssd_cache_bytes
 from pagedkv.storage.base import KVTier
 from pagedkv.storage.secret import CacheSecret, load_secret
+from pagedkv.storage.ssd.namespaces import NamespaceInfo
 
 log = logging.getLogger(__name__)
 
 
 def build_prefix_cache(
-    config: CacheConfig, layout: KVLayout, namespace: str, device: torch.device | str = "cpu"
+    config: CacheConfig,
+    layout: KVLayout,
+    namespace: str,
+    device: torch.device | str = "cpu",
+    description: NamespaceInfo | None = None,
 ) -> PrefixCache | None:
     """The prefix cache for blocks of `layout` in `namespace` (the model's fingerprint),
-    or None when the RAM budget holds less than one block."""
+    or None when the RAM budget holds less than one block. `description` (the model's
+    name and dtypes) is recorded in the SSD directory for `pagedkv cache stats`."""
     ram_bytes = config.ram_cache_bytes
     if ram_bytes is None:
         ram_bytes = default_ram_cache_bytes()
@@ -60,6 +66,7 @@ def build_prefix_cache(
                 namespace_quota_bytes=config.ssd_namespace_quota_bytes,
                 write_buffer_bytes=config.ssd_write_buffer_bytes,
                 secret=secret,
+                description=description,
             )
         )
     if config.redis_url:

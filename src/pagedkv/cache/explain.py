@@ -13,17 +13,22 @@ still be counted, which a request sent a moment later would also find missing.
 
 Lower tiers answer from their index (`contains`): a block whose file turns out
 corrupt is a miss for the request that reads it, which explain cannot foresee.
+
+What comes out is positions, counts and reasons: the children's tokens (RAM,
+lower tiers, history) are compared with the caller's own tokens here and only
+the lengths of agreement are kept, so no token of another request can reach an
+answer or a log line (docs/security.md, "What explain shows to whom").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from pagedkv.cache.hashing import HashChain
-from pagedkv.cache.history import CacheHistory, Departure
+from pagedkv.cache.history import CacheHistory, Departure, common_prefix
 from pagedkv.cache.pool import BlockPool
 from pagedkv.cache.tiers import LowerTiers
 
@@ -33,15 +38,12 @@ TIER_NAMES = ("ram", "ssd", "redis")
 
 @dataclass(frozen=True, slots=True)
 class MissCause:
-    """The first token a request would recompute, and why.
-
-    `theirs` are the tokens an earlier prompt had from `token_index` on (diverged,
-    or evicted with different later tokens); `departure` says when and how the
-    evicted prefix left; `lower_tiers` names the tiers that were asked too."""
+    """The first token a request would recompute, and why: `departure` says when and
+    how the evicted prefix left; `lower_tiers` names the tiers that were asked too.
+    Holds no token of any prompt but the caller's (only its index)."""
 
     token_index: int
     reason: Reason
-    theirs: list[int] = field(default_factory=list)
     departure: Departure | None = None
     lower_tiers: tuple[str, ...] = ()
     cleared_at: float | None = None
@@ -53,13 +55,6 @@ class PrefixExplanation:
     cached_tokens: int
     tiers: dict[str, int]
     miss: MissCause | None
-
-
-def _lcp(a: bytes, b: np.ndarray) -> int:
-    theirs = np.frombuffer(a, dtype="<i4")
-    n = min(len(theirs), len(b))
-    diff = np.flatnonzero(theirs[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
 
 
 def explain_lookup(
@@ -89,17 +84,17 @@ def explain_lookup(
     rest = tokens[num_full * bs : (num_full + 1) * bs]
     key = chain.parent_keys[num_full]
     partial, partial_tier = 0, "ram"
-    live: list[bytes] = []
+    any_live = False  # a child of `key` is cached in some tier (its tokens are not kept)
     if len(rest):
         if not run:  # like restore_into: a RAM partial only right after the RAM run
             live = pool.peek_children(key)
-            partial = max((_lcp(t, rest) for t in live), default=0)
+            any_live = bool(live)
+            partial = max((common_prefix(t, rest) for t in live), default=0)
         if lower and partial == 0:
             for tier in lower.tiers:
                 for meta in tier.children(key):
-                    theirs = meta.token_ids.astype("<i4").tobytes()
-                    live.append(theirs)
-                    n = _lcp(theirs, rest)
+                    any_live = True
+                    n = common_prefix(meta.token_ids.astype("<i4").tobytes(), rest)
                     if n > partial:
                         partial, partial_tier = n, tier.name
     matched = num_full * bs + partial
@@ -113,7 +108,7 @@ def explain_lookup(
     if matched >= num_prompt - 1:
         return PrefixExplanation(num_prompt, cached, tiers, None)
     names = tuple(t.name for t in lower.tiers)
-    miss = _cause(history, key, rest, partial, matched, live, names)
+    miss = _cause(history, key, rest, partial, matched, any_live, names)
     return PrefixExplanation(num_prompt, cached, tiers, miss)
 
 
@@ -123,23 +118,18 @@ def _cause(
     rest: np.ndarray,
     offset: int,
     index: int,
-    live: list[bytes],
+    any_live: bool,
     lower_names: tuple[str, ...],
 ) -> MissCause:
-    """The miss at token `index`, `offset` tokens into the block whose parent is `key`."""
-    gone = [(e, _lcp(e.token_ids, rest)) for e in history.children(key)]
-    best = max(gone, key=lambda g: g[1], default=None)
-    if best is not None and best[1] > offset:
-        entry = best[0]
-        theirs = np.frombuffer(entry.token_ids, dtype="<i4")[offset:].tolist()
-        dep = entry.departure
+    """The miss at token `index`, `offset` tokens into the block whose parent is `key`:
+    evicted when a departed child agreed with `rest` past `offset`, diverged when any
+    child is known, new otherwise."""
+    gone = history.agreement(key, rest)
+    if gone is not None and gone.num_tokens > offset:
+        dep = gone.departure
         cleared = history.cleared_at
         cleared_after = cleared if cleared is not None and cleared >= dep.when else None
-        return MissCause(index, "evicted", theirs, dep, lower_names, cleared_after)
-    known = live + [e.token_ids for e, _ in gone]
-    if known:
-        # The child agreeing longest: the earlier prompt this one most resembles.
-        theirs_bytes = max(known, key=lambda t: _lcp(t, rest))
-        theirs = np.frombuffer(theirs_bytes, dtype="<i4")[offset:].tolist()
-        return MissCause(index, "diverged", theirs, None, lower_names)
-    return MissCause(index, "new", [], None, lower_names)
+        return MissCause(index, "evicted", dep, lower_names, cleared_after)
+    if any_live or gone is not None:
+        return MissCause(index, "diverged", None, lower_names)
+    return MissCause(index, "new", None, lower_names)

@@ -6,6 +6,15 @@ the first block the lookup could not find, whose parent key is known: an
 evicted child sharing more tokens with the prompt than anything still cached
 means "evicted", any other known child means "diverged".
 
+The token ids never leave this class: `agreement` answers how many leading
+tokens the best-agreeing evicted child shares with the caller's own tokens, and
+when that child left, nothing more (explain must never show one request another
+request's tokens; see docs/security.md, "What explain shows to whom"). They
+are kept because the agreement is counted token by token inside a block: a hash
+per block answers only "all or nothing", and a hash per token prefix would cost
+as much memory and hide nothing (each one can be matched by trying the
+vocabulary).
+
 Size: at most `max_blocks` entries (default 8192), oldest forgotten first. An
 entry holds the block's tokens (4 bytes each) plus ~200 bytes of Python
 objects: ~460 bytes at 64-token blocks, ~3.7 MiB for 8192 entries, which
@@ -23,6 +32,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 DEFAULT_MAX_BLOCKS = 8192
 
 
@@ -36,10 +47,28 @@ class Departure:
 
 
 @dataclass(frozen=True, slots=True)
-class Evicted:
-    parent_key: bytes
-    token_ids: bytes  # int32-LE
+class Agreement:
+    """The evicted child of a parent key that shares the most leading tokens with the
+    caller's block: how many (`num_tokens`, 0 when it differs at once) and its
+    departure. Carries no token of the evicted block."""
+
+    num_tokens: int
     departure: Departure
+
+
+@dataclass(frozen=True, slots=True)
+class _Evicted:
+    parent_key: bytes
+    token_ids: bytes  # int32-LE; private, see the module docstring
+    departure: Departure
+
+
+def common_prefix(theirs: bytes, ours: np.ndarray) -> int:
+    """How many leading tokens `theirs` (int32-LE bytes) shares with `ours`."""
+    other = np.frombuffer(theirs, dtype="<i4")
+    n = min(len(other), len(ours))
+    diff = np.flatnonzero(other[:n] != ours[:n])
+    return int(diff[0]) if len(diff) else n
 
 
 class CacheHistory:
@@ -50,8 +79,8 @@ class CacheHistory:
             raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
         self.max_blocks = max_blocks
         self._lock = threading.Lock()
-        self._entries: OrderedDict[int, Evicted] = OrderedDict()
-        self._by_parent: dict[bytes, dict[int, Evicted]] = {}
+        self._entries: OrderedDict[int, _Evicted] = OrderedDict()
+        self._by_parent: dict[bytes, dict[int, _Evicted]] = {}
         self._next = 0
         self.cleared_at: float | None = None
 
@@ -59,7 +88,7 @@ class CacheHistory:
         return len(self._entries)
 
     def record(self, parent_key: bytes, token_ids: bytes, tier: str, reason: str) -> None:
-        entry = Evicted(parent_key, token_ids, Departure(time.time(), tier, reason))
+        entry = _Evicted(parent_key, token_ids, Departure(time.time(), tier, reason))
         with self._lock:
             key, self._next = self._next, self._next + 1
             self._entries[key] = entry
@@ -75,7 +104,14 @@ class CacheHistory:
         """Every tier was cleared now: blocks that had only left RAM before are gone too."""
         self.cleared_at = time.time()
 
-    def children(self, parent_key: bytes) -> list[Evicted]:
-        """Evicted children of `parent_key`, newest first."""
+    def agreement(self, parent_key: bytes, ours: np.ndarray) -> Agreement | None:
+        """Of the evicted children of `parent_key`, the one sharing the most leading
+        tokens with `ours` (the newest on a tie); None when there is none."""
         with self._lock:
-            return list(reversed(self._by_parent.get(parent_key, {}).values()))
+            children = list(self._by_parent.get(parent_key, {}).values())
+        best: Agreement | None = None
+        for entry in reversed(children):  # newest first
+            n = common_prefix(entry.token_ids, ours)
+            if best is None or n > best.num_tokens:
+                best = Agreement(n, entry.departure)
+        return best

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from pagedkv.cache.hashing import HashChain
 from pagedkv.storage.base import BlockMeta, KVBlock, KVTier
 
 _STATE_TAG = b"pagedkv-state/"
@@ -86,6 +87,22 @@ class SnapshotStore:
             stored = self._encode(meta, self._ram[key])
             for tier in self.tiers:
                 tier.put([stored])
+
+    def put_prefix(
+        self, chain: HashChain, num_tokens: int, block_size: int, state: torch.Tensor
+    ) -> bool:
+        """Keep the snapshot taken after the first `num_tokens` tokens of `chain`, as
+        soon as it is taken; False when that is not the end of one of the chain's full
+        blocks (the caller keeps it). The block's KV need not be cached yet: `find`
+        only looks where KV was restored, so a snapshot without its KV is never used,
+        and the one that arrives later completes it."""
+        j, rest = divmod(num_tokens, block_size)
+        if rest or not 0 < j <= len(chain.hashes):
+            return False
+        tokens = np.asarray(chain.tokens[(j - 1) * block_size : j * block_size], dtype=np.int32)
+        self.put(BlockMeta(chain.hashes[j - 1], chain.parent_keys[j - 1], tokens, self.namespace),
+                 state)  # fmt: skip
+        return True
 
     def clear(self) -> None:
         """Forget the snapshots in RAM (the lower tiers clear by namespace)."""

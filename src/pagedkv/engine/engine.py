@@ -16,10 +16,11 @@ from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
 from pagedkv.config import CacheConfig, default_kv_budget_bytes
 from pagedkv.engine.explain import CacheExplanation, caching_off, describe
+from pagedkv.engine.grammar import GrammarCompiler
 from pagedkv.engine.request import GenerationResult, Request, RequestStream
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.stats import EngineStats, RequestCounters, SchedulerStats
+from pagedkv.engine.stats import Accounting, EngineStats, RequestCounters, SchedulerStats
 from pagedkv.engine.worker import Worker
 from pagedkv.errors import (
     EngineClosedError,
@@ -29,6 +30,7 @@ from pagedkv.errors import (
 )
 from pagedkv.model import ModelAdapter, load_model
 from pagedkv.model.batch import DeterministicRows, linear_layers
+from pagedkv.model.fingerprint import describe_namespace
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class Engine:
         self.prefix: PrefixCache | None = None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._pending = 0
+        self._submitted = 0  # requests ever submitted, and ever taken by the worker
+        self._taken = 0
         self._lock = threading.Lock()
         self._closed = False
         self._dead: BaseException | None = None
@@ -94,7 +98,9 @@ class Engine:
         max_queue: int = 64,
         scheduling: SchedulerConfig | None = None,
     ) -> Engine:
-        """Load `model` (the bundled model's name or a local directory) on the worker thread."""
+        """Load `model` on the worker thread: the bundled model's name, a Hugging Face
+        directory, a .gguf file or a Hub id in the local Hugging Face cache
+        (`pagedkv.model.resolve`)."""
 
         def load() -> ModelAdapter:
             return load_model(model, device=device, dtype=dtype)
@@ -111,8 +117,16 @@ class Engine:
         self.prefix = self._build_prefix_cache()
         budget = self.config.kv_budget_bytes
         self.kv_budget_bytes = default_kv_budget_bytes() if budget is None else budget
-        scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // adapter.kv_bytes_per_token)
+        per_token = adapter.kv_bytes_per_token
+        snapshots = self.prefix.snapshots if self.prefix is not None else None
+        # Room for the one recurrent-state snapshot a running sequence may hold
+        # (`Worker._keep_snapshot`), in tokens of KV: it counts in the same budget.
+        snapshot_tokens = -(-snapshots.nbytes // per_token) if snapshots is not None else 0
+        scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // per_token, snapshot_tokens)
         self._worker = Worker(adapter, self.prefix, scheduler, self._request_done)
+        self._grammars = GrammarCompiler(
+            adapter.tokenizer, adapter.eos_token_ids, adapter.vocab_size
+        )
         # The first forward in a thread is slow: pay it here, not in the first request.
         adapter.warmup()
         if adapter.batched:  # prompt steps are padded always, every step if deterministic
@@ -141,7 +155,10 @@ class Engine:
         )
         log.info("layers of %s: %s", adapter.name, adapter.kinds.describe())
         namespace = adapter.fingerprint(config.block_size)
-        prefix = build_prefix_cache(config, layout, namespace, adapter.device)
+        description = (  # shown by `pagedkv cache stats`; only the SSD tier keeps it
+            describe_namespace(adapter, config.block_size) if config.ssd_cache_dir else None
+        )
+        prefix = build_prefix_cache(config, layout, namespace, adapter.device, description)
         if prefix is None:
             self.caching_off_reason = "the RAM cache budget holds less than one block"
         return prefix
@@ -165,20 +182,33 @@ class Engine:
         """False once the worker thread has died (a bug); the engine then serves nothing."""
         return self._dead is None and self._thread.is_alive()
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.adapter.decode(token_ids)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.adapter.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's own string in the tokenizer's vocabulary (byte-level pieces such as
+        'Ġword', special tokens by name): what `POST /tokenize` shows as `token_strs`.
+        An id the model has but the tokenizer lacks (padded embeddings) is ""."""
+        pieces = self.adapter.tokenizer.convert_ids_to_tokens(list(token_ids))
+        return ["" if p is None else str(p) for p in pieces]
 
     def tokenize(self, text: str) -> list[int]:
         return self.adapter.encode(text)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Token ids of a conversation; `tools` (OpenAI function definitions) are passed
-        to the template, which decides how the model sees them."""
+        to the template, which decides how the model sees them. Without the generation
+        prompt the ids end with the last message (`POST /tokenize` can ask for that)."""
+        extra: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
         if tools:
-            return self.adapter.apply_chat_template(list(messages), tools=list(tools))
-        return self.adapter.apply_chat_template(list(messages))
+            extra["tools"] = list(tools)
+        return self.adapter.apply_chat_template(list(messages), **extra)
 
     @property
     def chat_template(self) -> str | None:
@@ -196,11 +226,12 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> GenerationResult:
         """The finished request (`params.n` must be 1; see `generate_n`)."""
         if params is not None and params.n != 1:
             raise ValueError(f"generate returns one sample, n is {params.n}: use generate_n")
-        return self.generate_n(prompt, params, cache_salt=cache_salt)[0]
+        return self.generate_n(prompt, params, cache_salt=cache_salt, owner=owner)[0]
 
     def generate_n(
         self,
@@ -208,10 +239,11 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> list[GenerationResult]:
         """The `params.n` samples of one request, by index."""
         results: dict[int, GenerationResult] = {}
-        for event in self.stream(prompt, params, cache_salt=cache_salt):
+        for event in self.stream(prompt, params, cache_salt=cache_salt, owner=owner):
             if event.finished:
                 assert event.result is not None
                 results[event.index] = event.result
@@ -225,13 +257,17 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> RequestStream:
-        """Events as tokens are generated. `cancel()` or `close()` ends the request."""
+        """Events as tokens are generated. `cancel()` or `close()` ends the request.
+        `owner` names who sent it (the server passes the API key's tenant): when the
+        head of the waiting queue cannot start, other owners' requests may start
+        before it, in turn (see `Scheduler`); requests of one owner keep their order."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
             ids = _check_ids(prompt, self.vocab_size)
-        return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt))
+        return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt, owner))
 
     def chat(
         self,
@@ -239,8 +275,10 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> GenerationResult:
-        return self.generate(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+        ids = self.apply_chat_template(messages)
+        return self.generate(ids, params, cache_salt=cache_salt, owner=owner)
 
     def chat_stream(
         self,
@@ -248,8 +286,10 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> RequestStream:
-        return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+        ids = self.apply_chat_template(messages)
+        return self.stream(ids, params, cache_salt=cache_salt, owner=owner)
 
     def num_active_requests(self) -> int:
         with self._lock:
@@ -278,6 +318,27 @@ class Engine:
             cache=self.prefix.stats() if self.prefix is not None else None,
             scheduling=scheduling,
         )
+
+    def accounting(self) -> Accounting:
+        """The engine's books, read on the worker thread between two steps; a soak
+        asserts `balanced` (no leaked slot or reservation) once traffic stops."""
+
+        def read() -> Accounting:
+            sched = self._worker.scheduler
+            scheduled = {id(s.request) for s in [*sched.running, *sched.waiting]}
+            with self._lock:
+                pending, queued = self._pending, self._submitted - self._taken
+            return Accounting(
+                pending_requests=pending,
+                queued_requests=queued,
+                scheduled_requests=len(scheduled),
+                running=len(sched.running),
+                waiting=len(sched.waiting),
+                kv_reserved_bytes=sched.reserved_tokens * self.adapter.kv_bytes_per_token,
+            )
+
+        result: Accounting = self._call(read)
+        return result
 
     def explain(
         self, prompt: str | Sequence[int], *, cache_salt: str | None = None
@@ -331,7 +392,9 @@ class Engine:
 
     # -- caller side --------------------------------------------------------
 
-    def _submit(self, ids: list[int], params: SamplingParams, salt: str | None) -> Request:
+    def _submit(
+        self, ids: list[int], params: SamplingParams, salt: str | None, owner: str | None
+    ) -> Request:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(ids) >= self.max_context:
@@ -340,16 +403,21 @@ class Engine:
                 f"{self.max_context}: shorten it"
             )
         answer = min(params.max_tokens, self.max_context - len(ids))
-        need = (len(ids) + answer) * params.n * self.adapter.kv_bytes_per_token
+        snapshot = self._worker.scheduler.snapshot_tokens
+        need = (len(ids) + answer + snapshot) * params.n * self.adapter.kv_bytes_per_token
         if need > self.kv_budget_bytes:
             raise RequestTooLargeError(len(ids), answer, params.n, need, self.kv_budget_bytes)
+        fmt = params.response_format
+        grammar = None if fmt is None else self._grammars.compile(fmt)  # GrammarError: a 400
         with self._lock:
             if self._closed or self._dead is not None:
                 raise EngineClosedError(self._closed_reason())
             if self._pending >= self.max_queue:
                 raise EngineOverloadedError(self._pending, self.max_queue)
             self._pending += 1
-        req = Request(ids, params, ExtraKeys(cache_salt=salt) if salt else None)
+            self._submitted += 1
+        extra = ExtraKeys(cache_salt=salt) if salt else None
+        req = Request(ids, params, extra, owner=owner, grammar=grammar)
         self._queue.put(req)
         return req
 
@@ -419,6 +487,8 @@ class Engine:
                 except BaseException as exc:  # handed back to the caller
                     done.put(exc)
             else:
+                with self._lock:
+                    self._taken += 1
                 self._worker.add(item)
             try:
                 item = self._queue.get_nowait()

@@ -1,4 +1,10 @@
-"""A cache lookup's explanation in words: the miss's tokens decoded, times as dates."""
+"""A cache lookup's explanation in words: the caller's own tokens around the miss
+decoded, times as dates.
+
+Only the caller's prompt is ever quoted: `MissCause` carries no token of any
+other request (see `pagedkv.cache.explain`), so neither the answer of
+`POST /v1/cache/explain` nor the worker's debug line per request can show one.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ from typing import Any
 
 from pagedkv.cache.explain import MissCause, PrefixExplanation
 
-_CONTEXT = 8  # tokens shown on each side of a divergence
+_CONTEXT = 8  # tokens of the caller's own prompt shown on each side of the miss
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +60,11 @@ def _detail(m: MissCause, tokens: Sequence[int], decode: Callable[[Sequence[int]
         )
     before = decode(tokens[max(0, i - _CONTEXT) : i])
     ours = decode(tokens[i : i + _CONTEXT])
-    theirs = decode(m.theirs[:_CONTEXT])
     if m.reason == "diverged":
         return (
             f"an earlier prompt shared the first {i} tokens (ending {before!r}) and then "
-            f"differed: this prompt continues {ours!r}, the earlier one {theirs!r}"
+            f"differed: this prompt continues {ours!r} (what the earlier one had there "
+            "is not shown: it may be another user's)"
         )
     dep = m.departure
     assert dep is not None

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pagedkv.cache.hashing import ExtraKeys
+from pagedkv.engine.grammar import CompiledGrammar
 from pagedkv.engine.sampling import SamplingParams
 
 
@@ -57,12 +58,16 @@ class StreamEvent:
 
 @dataclass
 class Request:
-    """A submitted request: prompt ids, sampling, cache extras, and the queue the
-    worker puts its events on. `cancelled` may be set from any thread."""
+    """A submitted request: prompt ids, sampling, cache extras, who sent it (`owner`,
+    for fair admission; None: no one in particular), and the queue the worker puts
+    its events on. `cancelled` may be set from any thread. `grammar` is
+    `params.response_format` compiled; each sample's sampler gets its own copy."""
 
     prompt: list[int]
     params: SamplingParams
     extra: ExtraKeys | None
+    owner: str | None = None
+    grammar: CompiledGrammar | None = None
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

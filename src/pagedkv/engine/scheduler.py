@@ -22,13 +22,18 @@ class SchedulerConfig:
     """`max_num_seqs`: sequences running at once. `max_num_batched_tokens`: tokens one
     step computes (each decoding sequence's next token plus prefill chunks).
     `deterministic`: a request's output does not depend on what else runs (fixed
-    prefill chunks, batches padded to row counts that compute every row alike)."""
+    prefill chunks, batches padded to row counts that compute every row alike).
+    `max_head_bypass`: sequences of other owners admitted ahead of a waiting head
+    that cannot start, at most (0: strict arrival order)."""
 
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     deterministic: bool = False
+    max_head_bypass: int = 16
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_head_bypass, int) or self.max_head_bypass < 0:
+            raise ValueError(f"max_head_bypass must be an int >= 0, got {self.max_head_bypass!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an int >= 1, got {self.max_num_seqs!r}")
         if (
@@ -48,20 +53,40 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Waiting and running sequences, and the KV budget of the running ones.
+    """Waiting and running sequences, and the KV budget of the running ones: their
+    KV reservations and, for models with recurrent layers, room for the one state
+    snapshot each may hold (`snapshot_tokens`).
 
     Order: decoding sequences always run (one token each), so a prefill never
     stalls them for more than one step; prefill chunks fill what the step's
-    token budget leaves, oldest sequence first. Waiting sequences are admitted
-    in arrival order (preempted ones go back to the front) while there is room
-    for their KV and fewer than `max_num_seqs` run. When a running sequence
+    token budget leaves, oldest sequence first. When a running sequence
     outgrows its buffer and the budget cannot cover it, the newest sequence is
     preempted (it may be the growing one itself).
+
+    Admission, while fewer than `max_num_seqs` run: the head of the waiting
+    queue (the oldest; preempted sequences go back to the front) starts when its
+    KV fits. When it does not, the first waiting sequence of each *other* owner
+    (`Request.owner`, the API key's tenant) that fits may start instead, one
+    owner per admission in turn: the owner next after the last one let past,
+    in name order, wrapping around. So one key's large request does not hold
+    back every other key's small ones, and no key gets two turns while another
+    waits. A key's own requests keep their order, and requests without an owner
+    (or all of one owner) keep strict arrival order. Starvation bound: once
+    `max_head_bypass` sequences have started ahead of the current head, nothing
+    else does until it starts; the running ones finish and free the memory it
+    needs. Rejected: admitting whatever fits from anywhere in the queue (a
+    stream of small requests could starve a large one for ever).
     """
 
-    def __init__(self, config: SchedulerConfig, budget_tokens: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, budget_tokens: int, snapshot_tokens: int = 0
+    ) -> None:
         self.config = config
         self.budget_tokens = budget_tokens
+        # Budget tokens one running sequence reserves for the recurrent-state snapshot it
+        # may hold (models with state layers, caching on): a snapshot's bytes in tokens
+        # of KV, rounded up. 0 for every other model.
+        self.snapshot_tokens = snapshot_tokens
         self.reserved_tokens = 0
         # Capacity of freed KV buffers the engine keeps for reuse; counted against the
         # budget like a reservation, and given up before anything waits or is preempted.
@@ -69,6 +94,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._order = 0
+        # The head the bypass count is for, sequences admitted ahead of it, and the
+        # owner admitted ahead of a head last (where the next turn starts).
+        self._head: Sequence | None = None
+        self.head_bypassed = 0
+        self._last_bypass_owner: str | None = None
 
     # -- the budget -------------------------------------------------------------
 
@@ -77,8 +107,9 @@ class Scheduler:
         return min(len(seq.tokens) + GROW_TOKENS, seq.final_capacity)
 
     def admission_tokens(self, seq: Sequence) -> int:
-        """KV to reserve at admission: room for `seq` and for the samples it will fork."""
-        return self.initial_capacity(seq) * (1 + seq.samples_to_fork)
+        """What to reserve at admission: KV and snapshot room for `seq` and for the
+        samples it will fork."""
+        return (self.initial_capacity(seq) + self.snapshot_tokens) * (1 + seq.samples_to_fork)
 
     def fits(self, tokens: int) -> bool:
         return self.reserved_tokens + self.spare_tokens + tokens <= self.budget_tokens
@@ -106,6 +137,9 @@ class Scheduler:
 
     def admit(self, seq: Sequence) -> None:
         """Move `seq` from waiting to running (the engine has reserved its KV)."""
+        if self.waiting and seq is not self.waiting[0]:
+            self.head_bypassed += 1
+            self._last_bypass_owner = _owner(seq)
         self.waiting.remove(seq)
         if not seq.order:
             self._order += 1
@@ -119,14 +153,38 @@ class Scheduler:
         self.running.append(seq)
         self.running.sort(key=lambda s: s.order)
 
+    def head_fits(self) -> bool:
+        """Whether the head of the waiting queue fits the budget now."""
+        return bool(self.waiting) and self.fits(self.admission_tokens(self.waiting[0]))
+
     def next_to_admit(self) -> Sequence | None:
-        """The head of the waiting queue when it may start now."""
+        """The waiting sequence to start now, if any: the head when it fits, else
+        another owner's, in turn (see the class docstring)."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         head = self.waiting[0]
-        if not self.fits(self.admission_tokens(head)):
+        if head is not self._head:
+            self._head, self.head_bypassed = head, 0
+        if self.fits(self.admission_tokens(head)):
+            return head
+        if self.head_bypassed >= self.config.max_head_bypass:
             return None
-        return head
+        return self._next_other_owner(_owner(head))
+
+    def _next_other_owner(self, head_owner: str) -> Sequence | None:
+        """The first waiting sequence of the owner whose turn it is, among owners other
+        than the head's whose first waiting sequence fits."""
+        firsts: dict[str, Sequence] = {}
+        for seq in self.waiting:
+            owner = _owner(seq)
+            if owner != head_owner and owner not in firsts:
+                firsts[owner] = seq
+        fitting = sorted(o for o, s in firsts.items() if self.fits(self.admission_tokens(s)))
+        if not fitting:
+            return None
+        last = self._last_bypass_owner
+        turn = next((o for o in fitting if last is None or o > last), fitting[0])
+        return firsts[turn]
 
     def victim(self) -> Sequence | None:
         """The sequence to preempt when memory runs short: the newest running one."""
@@ -163,3 +221,8 @@ class Scheduler:
             work.append((seq, take))
             budget -= take
         return work
+
+
+def _owner(seq: Sequence) -> str:
+    """Who sent `seq`'s request ("" for no one in particular: one owner)."""
+    return seq.request.owner or ""

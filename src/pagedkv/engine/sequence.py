@@ -23,9 +23,10 @@ class Sequence:
     and samples when it reaches the end of `tokens`.
 
     `order` is when the scheduler first admitted it (the newest is preempted
-    first); `capacity` tokens of KV are reserved for it in the engine's budget
-    while it runs. A preempted sequence keeps its tokens, sampler and
-    detokenizer, and resumes from whatever its KV left in the prefix cache.
+    first); `capacity` tokens of KV, and `state_tokens` for a snapshot, are
+    reserved for it in the engine's budget while it runs. A preempted sequence
+    keeps its tokens, sampler and detokenizer, and resumes from whatever its KV
+    left in the prefix cache.
     """
 
     request: Request
@@ -41,14 +42,18 @@ class Sequence:
     capacity: int = 0
     num_computed: int = 0
     handle: RequestCache | None = None
-    # A request's first sample forks the other n - 1 after its prefill; the KV for them
-    # is reserved with its own at admission.
+    # A request's first sample forks the other n - 1 after its prefill; the KV (and
+    # snapshot room) for them is reserved with its own at admission.
     samples_to_fork: int = 0
     sibling_capacity: int = 0
     cached_tokens: int = 0
     tier_hits: dict[str, int] = field(default_factory=dict)
-    # Recurrent-state snapshots (models with state layers), by the token count they follow.
+    # Recurrent-state snapshots (models with state layers) the sequence still holds, by
+    # the token count they follow: at most the newest one past its hash chain (the
+    # others go to the snapshot store when taken). `state_tokens` of the KV budget are
+    # reserved for it while the sequence runs.
     snapshots: dict[int, torch.Tensor] = field(default_factory=dict)
+    state_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     ttft: float = 0.0
     finish_reason: str | None = None

@@ -46,3 +46,30 @@ class EngineStats:
     requests: RequestCounters
     cache: CacheStats | None
     scheduling: SchedulerStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Accounting:
+    """The engine's books, read on the worker thread between steps (so they agree).
+
+    `pending_requests`: submitted and not yet reported done (what `max_queue`
+    bounds); `queued_requests`: of those, not yet taken by the worker;
+    `scheduled_requests`: requests with a sequence running or waiting.
+    `kv_reserved_bytes`: what the scheduler has reserved of the KV budget (KV and
+    snapshots of running sequences). A request the worker took but no sequence
+    holds any more is a leaked slot; a reservation with nothing running is leaked
+    memory."""
+
+    pending_requests: int
+    queued_requests: int
+    scheduled_requests: int
+    running: int
+    waiting: int
+    kv_reserved_bytes: int
+
+    @property
+    def balanced(self) -> bool:
+        """Every pending request is queued or scheduled, and with no sequence running
+        nothing is reserved."""
+        slots = self.pending_requests == self.queued_requests + self.scheduled_requests
+        return slots and (self.running > 0 or self.kv_reserved_bytes == 0)

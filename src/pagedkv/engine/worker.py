@@ -35,7 +35,7 @@ from pagedkv.cache.hashing import HashChain
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.engine.detokenize import Detokenizer
 from pagedkv.engine.explain import describe
-from pagedkv.engine.request import Request, StreamEvent
+from pagedkv.engine.request import GenerationResult, Request, StreamEvent
 from pagedkv.engine.sampling import Sampler
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Sequence
@@ -87,13 +87,14 @@ class Worker:
 
     def _sequence(self, req: Request, index: int, tokens: list[int], max_tokens: int) -> Sequence:
         ignore = set(self.adapter.eos_token_ids)
+        constraint = req.grammar.constraint() if req.grammar is not None else None
         return Sequence(
             request=req,
             index=index,
             tokens=tokens,
             num_prompt_tokens=len(req.prompt),
             max_tokens=max_tokens,
-            sampler=Sampler(req.params, index),
+            sampler=Sampler(req.params, index, constraint),
             decoder=Detokenizer(self.adapter, req.params, ignore=ignore),
         )
 
@@ -130,10 +131,10 @@ class Worker:
     def _admit(self) -> None:
         sched = self.scheduler
         while (seq := self._next_to_admit()) is not None:
-            capacity = sched.initial_capacity(seq)
-            seq.sibling_capacity = capacity * seq.samples_to_fork
-            seq.capacity = capacity
-            sched.reserve(capacity + seq.sibling_capacity)
+            capacity, state = sched.initial_capacity(seq), sched.snapshot_tokens
+            seq.sibling_capacity = (capacity + state) * seq.samples_to_fork
+            seq.capacity, seq.state_tokens = capacity, state
+            sched.reserve(capacity + state + seq.sibling_capacity)
             sched.admit(seq)
             self._start(seq)
         if not sched.running and sched.waiting:
@@ -146,11 +147,12 @@ class Worker:
             ))  # fmt: skip
 
     def _next_to_admit(self) -> Sequence | None:
-        seq = self.scheduler.next_to_admit()
-        if seq is None and self.spares and self.scheduler.waiting:
-            self._drop_spares()  # memory for a sequence before buffers for later ones
-            seq = self.scheduler.next_to_admit()
-        return seq
+        sched = self.scheduler
+        if self.spares and sched.waiting and not sched.head_fits():
+            # Memory for the head before buffers for later ones, and before another
+            # owner's sequence starts ahead of it.
+            self._drop_spares()
+        return sched.next_to_admit()
 
     def _kv_buffer(self, seq: Sequence) -> torch.Tensor:
         """A KV buffer for `seq.capacity` tokens (reserved by the caller): a spare of
@@ -289,11 +291,12 @@ class Worker:
                 self.cache_errors += 1
             finally:
                 handle.release()
-        if seq.capacity or seq.sibling_capacity:
-            self.scheduler.release(seq.capacity + seq.sibling_capacity)
+        held = seq.capacity + seq.state_tokens + seq.sibling_capacity
+        if held:
+            self.scheduler.release(held)
         if seq.kv is not None:
             self._keep_spare(seq.kv)
-        seq.capacity = seq.sibling_capacity = seq.num_computed = 0
+        seq.capacity = seq.state_tokens = seq.sibling_capacity = seq.num_computed = 0
         seq.kv = seq.cache = None
         seq.snapshots = {}
 
@@ -341,9 +344,7 @@ class Worker:
                 logits, seq.cache = self.adapter.forward(ids, seq.cache)
                 seq.num_computed += n
                 if every and seq.num_computed % every == 0 and seq.handle is not None:
-                    layout = self.adapter.state_layout
-                    assert layout is not None
-                    seq.snapshots[seq.num_computed] = layout.snapshot(seq.cache)
+                    self._keep_snapshot(seq)
             except Exception as exc:
                 log.exception("a forward failed")
                 self._fail(seq, exc)
@@ -351,6 +352,28 @@ class Worker:
             if seq.num_computed == len(seq.tokens):
                 out.append((seq, logits))
         return out
+
+    def _keep_snapshot(self, seq: Sequence) -> None:
+        """Snapshot `seq`'s recurrent state after its `num_computed` tokens.
+
+        A snapshot inside the request's hash chain (the prompt, and what a resumed
+        sequence had generated) goes to the snapshot store at once, under its block's
+        hash: the store's own RAM budget bounds it, and a restore uses it only once
+        that block's KV is cached too. One past the chain (decoding) has no hash yet;
+        the sequence keeps only the newest such one, for `cache_finished`, which is
+        the one the next turn of a conversation resumes from (rejected: keeping every
+        snapshot until `cache_prompt` / release, which held one per interval of the
+        prompt outside every budget: about 9.6 GiB for one 8K-token prompt of
+        Qwen3-Next shapes). So a sequence holds at most one snapshot, which its
+        reservation (`Scheduler.snapshot_tokens`) covers."""
+        layout, handle, prefix = self.adapter.state_layout, seq.handle, self.prefix
+        assert layout is not None and handle is not None and prefix is not None
+        store = prefix.snapshots
+        assert store is not None
+        state = layout.snapshot(seq.cache)
+        if store.put_prefix(handle.chain, seq.num_computed, prefix.block_size, state):
+            return
+        seq.snapshots = {seq.num_computed: state}
 
     def _snapshot_every(self) -> int:
         """Tokens between recurrent-state snapshots; 0 when none are taken."""
@@ -365,7 +388,7 @@ class Worker:
             if seq.handle is not None:
                 try:  # after the first token, not before: nothing here is needed for it
                     seq.handle.cache_prompt(self._kv_source(seq), seq.snapshots)
-                    seq.snapshots = {}  # all within the prompt, and stored now
+                    seq.snapshots = {}
                 except Exception:
                     log.warning("caching a prompt failed", exc_info=True)
                     self.cache_errors += 1
@@ -391,14 +414,28 @@ class Worker:
 
     def _fork(self, primary: Sequence, logits: torch.Tensor) -> None:
         """The other samples of a request with n > 1: each starts from a copy of the
-        prompt's KV and a fork of its cached blocks, and samples from the same logits."""
-        count, primary.samples_to_fork = primary.samples_to_fork, 0
+        prompt's KV and a fork of its cached blocks, and samples from the same logits.
+
+        Ownership moves one sample at a time: `primary.samples_to_fork` and
+        `primary.sibling_capacity` count exactly the samples not yet handed to a
+        running sibling. A sibling takes its share only once it is built and adopted,
+        so a failure before that (building its sampler) leaves the share with the
+        primary, whose end releases it and ends the unborn samples; a failure after it
+        ends the sibling, which releases its own share. Either way the request fails
+        and nothing stays reserved (rejected: building siblings before the guarded
+        path, which leaked a slot and its KV when a sampler could not be built)."""
+        count = primary.samples_to_fork
         share = primary.sibling_capacity // count
-        primary.sibling_capacity = 0
         prompt = primary.tokens[: primary.num_prompt_tokens]
         for index in range(1, count + 1):
+            if primary.request.failed:
+                return  # the rest are cancelled with the request when the primary ends
+            # Raises to `step`, which fails the primary: it still owns this share.
             sib = self._sequence(primary.request, index, list(prompt), primary.max_tokens)
-            sib.capacity, sib.num_computed = share, primary.num_computed
+            primary.samples_to_fork -= 1
+            primary.sibling_capacity -= share
+            sib.state_tokens = self.scheduler.snapshot_tokens
+            sib.capacity, sib.num_computed = share - sib.state_tokens, primary.num_computed
             sib.cached_tokens, sib.tier_hits = primary.cached_tokens, dict(primary.tier_hits)
             sib.admitted = sib.prompt_cached = True
             self.scheduler.adopt(sib, primary.order)
@@ -441,14 +478,15 @@ class Worker:
         if not req.failed:
             req.events.put(StreamEvent([], "", finished=True, result=result, index=seq.index))
         req.num_open -= 1
-        for index in range(1, seq.samples_to_fork + 1):  # samples it never forked
-            unborn = self._sequence(req, index, list(req.prompt), 0)
-            unborn.finish_reason = "cancelled"
+        # Samples it never forked: the last ones (siblings are forked in index order).
+        # Their results are built here, not through a Sequence: nothing on this path may
+        # raise, or the request would never be reported done.
+        first_unborn = req.params.n - seq.samples_to_fork
+        for index in range(first_unborn, req.params.n):
             req.num_open -= 1
             if not req.failed:
-                req.events.put(
-                    StreamEvent([], "", finished=True, result=unborn.result(), index=index)
-                )
+                unborn = _unborn_result(req, index)
+                req.events.put(StreamEvent([], "", finished=True, result=unborn, index=index))
         seq.samples_to_fork = 0
         if req.num_open <= 0:
             self.on_request_done(req)
@@ -460,6 +498,21 @@ class Worker:
                 self._fail(seq, exc)
             except Exception:  # keep going: every caller must hear the end
                 log.exception("ending a request failed")
+
+
+def _unborn_result(req: Request, index: int) -> GenerationResult:
+    """The result of sample `index`, cancelled before it was forked."""
+    return GenerationResult(
+        text="",
+        token_ids=[],
+        prompt_tokens=len(req.prompt),
+        cached_tokens=0,
+        ttft_s=0.0,
+        finish_reason="cancelled",
+        total_s=time.perf_counter() - req.submitted,
+        logprobs=[] if req.params.logprobs else None,
+        index=index,
+    )
 
 
 def _copy_cache(cache: Any) -> Any:

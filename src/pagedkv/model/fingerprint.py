@@ -21,9 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.config import cache_home
+from pagedkv.storage.ssd.namespaces import NamespaceInfo
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 DIGEST_CACHE_NAME = "weight-digests.json"
+# Written by `model.gguf` into a directory converted from a GGUF file: what it came from.
+SOURCE_MARKER = "pagedkv-source.json"
 _MAX_REMEMBERED = 512
 _CHUNK_BYTES = 8 << 20
 
@@ -53,16 +56,34 @@ def _strip(value: Any) -> Any:
 
 def weights_digest(model: Any, model_dir: Path | None) -> str:
     """sha256 over (relative name, file digest) of the weight files in `model_dir`;
-    over the state dict's tensors when there is no directory or it holds no weights."""
+    over the state dict's tensors when there is no directory or it holds no weights.
+
+    A directory converted from a user's GGUF file also folds in that file's sha256
+    (from its `SOURCE_MARKER`), so the namespace names the file itself, not only
+    what transformers de-quantized it to."""
     files = _weight_files(model_dir) if model_dir is not None else []
     if not files:
         return "tensors:" + _state_dict_digest(model)
     assert model_dir is not None
     outer = hashlib.sha256()
+    source = _source_digest(model_dir)
+    if source is not None:  # absent for plain directories: their namespaces stay as they were
+        outer.update(b"gguf\0" + bytes.fromhex(source))
     for path in files:
         outer.update(str(path.relative_to(model_dir)).encode() + b"\0")
         outer.update(bytes.fromhex(file_digest(path)))
     return "files:" + outer.hexdigest()
+
+
+def _source_digest(model_dir: Path) -> str | None:
+    recorded = _read(model_dir / SOURCE_MARKER).get("sha256")
+    if isinstance(recorded, str) and len(recorded) == 64:
+        try:
+            bytes.fromhex(recorded)
+        except ValueError:
+            return None
+        return recorded
+    return None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -140,3 +161,35 @@ def _state_dict_digest(model: Any) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\0".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def files_weights_digest(model_dir: Path) -> str | None:
+    """`weights_digest` of a model directory from its files alone, without loading the
+    model (what `pagedkv cache clear --model` matches namespaces by); None when the
+    directory holds no weight files."""
+    if not _weight_files(model_dir):
+        return None
+    return weights_digest(None, model_dir)
+
+
+def describe_namespace(adapter: Any, block_size: int) -> NamespaceInfo:
+    """What `pagedkv cache stats` shows for the namespace `adapter.fingerprint(block_size)`.
+
+    The weights digest comes from the files only, whose digests `fingerprint` has just
+    remembered (hashed again only when the cache home cannot be written); a model not
+    loaded from files records none rather than hashing its tensors twice."""
+    model_dir = getattr(adapter, "model_dir", None)
+    kv_format = getattr(adapter, "kv_format", None)
+    dtype = str(getattr(adapter, "dtype", "unknown")).removeprefix("torch.")
+    kv_dtype = dtype
+    if kv_format is not None:
+        stored = str(kv_format.storage_dtype).removeprefix("torch.")
+        kv_dtype = stored if kv_format.name == "auto" else kv_format.name
+    return NamespaceInfo(
+        model=str(getattr(adapter, "name", "unknown")),
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        block_size=int(block_size),
+        weights_kernel=str(getattr(adapter, "linear_kernel", "torch")),
+        weights=files_weights_digest(model_dir) if model_dir is not None else None,
+    )

@@ -24,12 +24,13 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from pagedkv.config import DTYPES
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch
-from pagedkv.model.bundled import BUNDLED_MODEL_NAME, ensure_bundled_model
+from pagedkv.model.bundled import BUNDLED_MODEL_NAME
 from pagedkv.model.fingerprint import config_identity, weights_digest
 from pagedkv.model.kinds import LayerKinds, read_layer_kinds
 from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.kv_layer import GrowableLayer
 from pagedkv.model.linear import INT8_KERNEL, KERNEL, pack_linears, quantize_linears
+from pagedkv.model.resolve import resolve_model
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
 
 logger = logging.getLogger(__name__)
@@ -397,14 +398,21 @@ class ModelAdapter:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
-        """Token ids of a conversation in the model's chat template, generation prompt added."""
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        """Token ids of a conversation in the model's chat template, generation prompt
+        added unless asked not to."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ModelNotSupportedError(
                 f"model {self.name} has no chat template; send plain text prompts instead"
             )
         ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **kwargs,
         )
         return [int(i) for i in ids]
 
@@ -444,26 +452,16 @@ def load_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
 ) -> ModelAdapter:
-    """Load the bundled model by name, or a Hugging Face causal LM from a local directory.
+    """Load the model `--model` names (`model.resolve`): the bundled model, a local
+    Hugging Face directory, a .gguf file or a Hub id in the local Hugging Face cache.
 
     Never touches the network: everything is read with `local_files_only=True`.
     """
     target = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, target)
     text = str(name_or_path)
-    if text.lower() == BUNDLED_MODEL_NAME:
-        directory, name = ensure_bundled_model(), BUNDLED_MODEL_NAME
-    else:
-        directory = Path(text).expanduser()
-        name = directory.resolve().name if directory.is_dir() else text
-        if not (directory / "config.json").is_file():
-            what = "has no config.json" if directory.is_dir() else "is not a local directory"
-            raise ModelNotSupportedError(
-                f"cannot load model {text!r}: it {what}. pagedkv accepts the bundled model "
-                f"name {BUNDLED_MODEL_NAME!r} or a local directory holding a Hugging Face "
-                "causal LM (config.json, weights, tokenizer). Hub ids are not downloaded: "
-                "fetch the model first (e.g. `hf download ORG/NAME --local-dir DIR`) and pass DIR"
-            )
+    resolved = resolve_model(name_or_path)
+    directory, name = resolved.directory, resolved.name
     model: Any
     try:
         model = AutoModelForCausalLM.from_pretrained(

@@ -11,9 +11,12 @@ Keys: when none are configured the server is single-user: every caller is the
 one (admin) tenant. When keys are configured, every /v1 endpoint needs one,
 checked from the headers before the body is read (`server/authn.py`); only the
 keys named as admin keys may clear the cache or see the global statistics.
-/health and /metrics stay open for orchestrators and scrapers (they show only
-aggregate counts). Limits on a request's messages and text and on each key's
-running requests are in `server/limits.py`.
+/health stays open for orchestrators; /metrics, which shows every tenant's
+traffic, needs a metrics key or an admin key, and /docs and /openapi.json any key.
+Errors whose text pagedkv did not write reach the client as a generic message
+with the request id (`x-request-id`); the detail goes to the log. Limits on a
+request's messages and text and on each key's running requests are in
+`server/limits.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,13 +38,19 @@ from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
+from pagedkv.server.explain import ChatExplainRequest, Explainer, refuse_unknown_chat_fields
 from pagedkv.server.generation import Generation, Options
-from pagedkv.server.http_errors import APIError, bad_request, shutting_down
-from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware
+from pagedkv.server.http_errors import APIError, bad_request, hidden_error, shutting_down
+from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
-from pagedkv.server.middleware import BodyLimitMiddleware, RequestMetricsMiddleware
+from pagedkv.server.middleware import (
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+    RequestMetricsMiddleware,
+)
 from pagedkv.server.prepare import (
     chat_messages,
+    check_prompt_fits,
     check_supported,
     check_token_ids,
     completion_prompt,
@@ -55,9 +64,12 @@ from pagedkv.server.protocol import (
     CompletionResponse,
     ErrorResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
 )
+from pagedkv.server.render_pool import RenderPool
 from pagedkv.server.tenants import TenantLedger
+from pagedkv.server.tokenize import TokenizerContext, add_tokenizer_routes
 from pagedkv.server.tools import ToolSupport, tool_support
 from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import template_tools, tool_mode
@@ -88,6 +100,7 @@ class ServerState:
     vocab_size: int | None
     tools: ToolSupport
     share: KeyShare
+    render: RenderPool = field(default_factory=RenderPool)
     ledger: TenantLedger = field(default_factory=TenantLedger)
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False
@@ -110,27 +123,33 @@ def create_app(
     max_requests_per_key: int | None = None,
     model_name: str | None = None,
     tool_call_parser: str | None = None,
+    metrics_keys: Iterable[str] = (),
+    served_model_names: Sequence[str] = (),
 ) -> FastAPI:
     """An app serving `engine` (a `pagedkv.Engine`, or anything with its `EngineAPI`).
 
     `admin_keys` may clear the cache and see the global statistics; other keys
     may not (with no keys at all, the one caller may). `limits` bounds one
     request's messages and text; `max_requests_per_key` the requests one key
-    may have running (None: no bound). `model_name` is the id clients see
-    (default: the engine's); requests may also name the engine's own name, or
-    leave `model` out. `tool_call_parser` names the tool-call format
-    (`pagedkv.server.tools.PARSERS`) when the chat template does not make it clear.
+    may have running (None: no bound). `served_model_names` are the names
+    requests may give as `model` (`--served-model-name`); the first, else
+    `model_name`, else the engine's own name, is the id clients see. Requests
+    may also name the engine's own name, or leave `model` out. `tool_call_parser`
+    names the tool-call format (`pagedkv.server.tools.PARSERS`) when the chat
+    template does not make it clear.
+    `metrics_keys` may read /metrics, as admin keys may (`server/authn.py`).
     """
+    names = served_names(served_model_names, model_name, engine.model_name)
     state = ServerState(
         engine=engine,
-        model_name=model_name or engine.model_name,
+        model_name=names[0],
         keys=KeyRing(api_keys, admin_keys),
         metrics=ServerMetrics(engine.cache_stats, engine.num_active_requests),
         vocab_size=engine.vocab_size if engine.vocab_size > 0 else None,
         tools=tool_support(engine.chat_template, tool_call_parser),
         share=KeyShare(max_requests_per_key),
     )
-    known_models = {state.model_name, engine.model_name}
+    known_models = dict.fromkeys([*names, engine.model_name])  # ordered, for the 404's list
     app = FastAPI(title="pagedkv", version="0.1.0", strict_content_type=False)
     app.state.pagedkv = state
     # Outermost last: count every response, then the key, then the body's size and limits.
@@ -138,21 +157,27 @@ def create_app(
         RequestLimitsMiddleware, limits=limits or RequestLimits(), error_body=error_body
     )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes, error_body=error_body)
-    app.add_middleware(AuthMiddleware, keys=state.keys, error_body=error_body)
+    app.add_middleware(
+        AuthMiddleware, keys=state.keys, error_body=error_body, metrics_keys=KeyRing(metrics_keys)
+    )
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(RequestIdMiddleware, error_body=error_body)
     add_error_handlers(app)
 
     def check_open(model: str | None) -> None:
         if state.closing:
             raise shutting_down()
         if model is not None and model not in known_models:
-            raise APIError(
-                404,
-                f"model {model!r} does not exist; this server serves "
-                f"{state.model_name!r} (see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(model, "model")
+
+    def unknown_model(model: str, param: str) -> APIError:
+        return APIError(
+            404,
+            f"model {model!r} does not exist; this server serves "
+            f"{', '.join(map(repr, known_models))} (see GET /v1/models)",
+            param=param,
+            code="model_not_found",
+        )
 
     async def generate(
         request: Request,
@@ -160,9 +185,10 @@ def create_app(
         ids: list[int],
         tenant: Tenant,
         arrived: float,
+        held: ShareHeld,
         tools: ToolMode | None = None,
     ) -> Response:
-        gen = await start_generation(request, body, ids, tenant, arrived, tools)
+        gen = await start_generation(request, body, ids, tenant, arrived, held, tools)
         if not body.stream:
             return JSONResponse(await gen.response_body())
         return StreamingResponse(
@@ -177,9 +203,12 @@ def create_app(
         ids: list[int],
         tenant: Tenant,
         arrived: float,
+        held: ShareHeld,
         tools: ToolMode | None = None,
     ) -> Generation:
-        """Submit the request; returns once its first event (or its refusal) arrived."""
+        """Submit the request; returns once its first event (or its refusal) arrived.
+        `held` is the key's share the request took (`admit`); the generation gives it
+        back when it closes."""
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         max_tokens = max_new_tokens(body, len(ids), engine.max_context, param)
@@ -187,7 +216,7 @@ def create_app(
             logprobs = body.logprobs
         else:
             logprobs = body.logprobs is not None  # 0: the sampled token's logprob only
-        params = sampling_params(body, max_tokens, logprobs)
+        params = sampling_params(body, max_tokens, logprobs, tools)
         salt = tenant.cache_salt(body.cache_salt)
         stream = body.stream
         include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
@@ -201,15 +230,14 @@ def create_app(
         )
 
         def open_stream() -> Iterator[StreamEvent]:
-            return engine.stream(ids, params, cache_salt=salt)
+            return engine.stream(ids, params, cache_salt=salt, owner=tenant.salt)
 
         def on_close(gen: Generation) -> None:
             state.generations.discard(gen)
-            state.share.release(tenant)
+            held.release()
             results = [gen.results[i] for i in sorted(gen.results)]
             state.ledger.finished(tenant, results, complete=gen.done)
 
-        state.share.acquire(tenant)  # a 429 here for a key over its share, not for others
         state.ledger.started(tenant)
         gen = Generation(
             open_stream,
@@ -242,22 +270,39 @@ def create_app(
             }
         )
 
-    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {"content": {"text/plain": {}}},
+            401: {"model": ErrorResponse},
+            403: {"model": ErrorResponse},
+        },
+    )
     def metrics() -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
-    async def list_models(tenant: TenantDep) -> Response:
-        card = {
-            "id": state.model_name,
+    def model_card(model_id: str) -> dict[str, Any]:
+        return {
+            "id": model_id,
             "object": "model",
             "created": state.created,
             "owned_by": "pagedkv",
             "max_model_len": engine.max_context,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
+    async def list_models(tenant: TenantDep) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card(state.model_name)]})
+
+    # `:path`: Hub ids hold a slash (`ORG/NAME`), which clients send encoded or not.
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+    async def retrieve_model(model_id: str, tenant: TenantDep) -> Response:
+        if model_id not in known_models:
+            raise unknown_model(model_id, "model_id")
+        return JSONResponse(model_card(model_id))
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=STREAMS)
     async def completions(request: Request, body: CompletionRequest, tenant: TenantDep) -> Response:
@@ -265,12 +310,20 @@ def create_app(
         check_open(body.model)
         check_supported(body)
         prompt = completion_prompt(body)
-        if isinstance(prompt, str):
-            ids = await _blocking(engine.tokenize, prompt, what="the tokenizer")
-        else:
-            check_token_ids(prompt, state.vocab_size, "prompt")
-            ids = prompt
-        return await generate(request, body, ids, tenant, arrived)
+        held = admit(tenant, body.n)
+        with held.released_on_error():
+            if isinstance(prompt, str):
+                ids = await _blocking(
+                    engine.tokenize,
+                    prompt,
+                    what="the tokenizer",
+                    pool=state.render,
+                    owner=tenant.salt,
+                )
+            else:
+                check_token_ids(prompt, state.vocab_size, "prompt")
+                ids = prompt
+            return await generate(request, body, ids, tenant, arrived, held)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=STREAMS)
     async def chat_completions(
@@ -279,17 +332,37 @@ def create_app(
         arrived = time.perf_counter()
         check_open(body.model)
         check_supported(body)
-        ids, mode = await chat_prompt(body)
-        return await generate(request, body, ids, tenant, arrived, mode)
+        held = admit(tenant, body.n)
+        with held.released_on_error():
+            ids, mode = await chat_prompt(body, tenant)
+            return await generate(request, body, ids, tenant, arrived, held, mode)
 
-    async def chat_prompt(body: ChatCompletionRequest) -> tuple[list[int], ToolMode | None]:
-        """The prompt's token ids (tools rendered by the template), and how to parse the reply."""
+    def admit(tenant: Tenant, n: int) -> ShareHeld:
+        """Take `n` sequences of the key's share, before any tokenizing or templating:
+        a key over its share gets its 429 without costing the server that work."""
+        return state.share.acquire(tenant, n)
+
+    async def prompt_only(
+        body: ChatCompletionRequest, tenant: Tenant
+    ) -> tuple[list[int], ToolMode | None]:
+        """The prompt of a request that only looks at it (explain, count_tokens): rendered
+        under one sequence of the key's share, and refused past the model's context."""
+        with admit(tenant, 1):
+            ids, mode = await chat_prompt(body, tenant)
+        check_prompt_fits(len(ids), engine.max_context, "messages")
+        return ids, mode
+
+    async def chat_prompt(
+        body: ChatCompletionRequest, tenant: Tenant
+    ) -> tuple[list[int], ToolMode | None]:
+        """The prompt's token ids (tools rendered by the template), and how to parse the reply.
+        Callers hold the key's share (`admit`)."""
         mode = tool_mode(body, state.tools)
         messages = chat_messages(body)
         render = functools.partial(engine.apply_chat_template, tools=template_tools(body))
-        ids = await _blocking(render, messages, what="the chat template")
-        if mode is not None and mode.prefix:
-            ids += engine.encode_continuation(mode.prefix)
+        ids = await _blocking(
+            render, messages, what="the chat template", pool=state.render, owner=tenant.salt
+        )
         return ids, mode
 
     @app.get("/v1/cache/stats", responses=ERRORS)
@@ -304,21 +377,15 @@ def create_app(
         stats = await to_thread.run_sync(engine.cache_stats)
         return JSONResponse({"scope": "server", **stats_json(stats)})
 
+    explainer = Explainer(engine, prompt_only, state.render)
+
     @app.post("/v1/cache/explain", responses=ERRORS)
-    async def cache_explain(body: ChatCompletionRequest, tenant: TenantDep) -> Response:
-        """What this chat request would reuse from the cache if sent now, and why not more.
-        Hashes and looks up the prompt the request would have (tools included); never
-        generates. Another key's prompts are invisible: for them the answer is "new"."""
+    async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:
+        """What this chat request would reuse from the cache if sent now, and why not more
+        (`server/explain.py`). A top-level field a chat request does not have is refused."""
         check_open(body.model)
-        ids, _ = await chat_prompt(body)
-        salt = tenant.cache_salt(body.cache_salt)
-        try:
-            answer = await to_thread.run_sync(
-                functools.partial(engine.explain, ids, cache_salt=salt)
-            )
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from exc
-        return JSONResponse(answer.to_json())
+        refuse_unknown_chat_fields(body)
+        return JSONResponse(await explainer.explain(body, tenant))
 
     @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})
     async def cache_clear(tenant: TenantDep) -> Response:
@@ -336,13 +403,28 @@ def create_app(
             model_name=state.model_name,
             check_open=check_open,
             chat_prompt=chat_prompt,
+            prompt_only=prompt_only,
+            admit=admit,
             start_generation=start_generation,
             decode=engine.decode,
             block_size=stats.cache.block_size if stats.cache is not None else None,
+            explain=explainer.explain,
         ),
     )
+    blocking = functools.partial(_blocking, pool=state.render)
+    add_tokenizer_routes(app, TokenizerContext(engine, state.tools, check_open, admit, blocking))
     _document_errors(app)
     return app
+
+
+def served_names(served: Sequence[str], model_name: str | None, own: str) -> list[str]:
+    """The names the server answers to, the shown id first, duplicates dropped."""
+    names = [n.strip() for n in served]
+    if any(not n for n in names):
+        raise ValueError("a served model name must not be empty (--served-model-name)")
+    if not names:
+        names = [model_name or own]
+    return list(dict.fromkeys(names))
 
 
 def _document_errors(app: FastAPI) -> None:
@@ -361,13 +443,28 @@ def _document_errors(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-async def _blocking(fn: Any, arg: Any, *, what: str) -> list[int]:
-    """Run a tokenizer call on a thread; its refusals of the input are 400s."""
+async def _blocking(
+    fn: Any, arg: Any, *, what: str, pool: RenderPool, owner: str | None
+) -> list[int]:
+    """Run a tokenizer call on the render pool; its refusals of the input are 400s. Only
+    a chat template's own `raise_exception()` message (the model author's words about
+    the messages) reaches the client; the tokenizer's and jinja2's own texts can
+    name internals and go to the log."""
     try:
-        return list(await to_thread.run_sync(fn, arg))
+        return list(await pool.run(owner, fn, arg))
     except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise bad_request(f"{what} refused the input: {exc}") from exc
+        raise hidden_error(400, f"{what} could not encode the input", exc) from exc
     except Exception as exc:
-        if type(exc).__module__.startswith("jinja2"):  # the template's raise_exception()
+        if _raised_by_template(exc):
             raise bad_request(f"{what} refused the messages: {exc}", "messages") from exc
+        if type(exc).__module__.startswith("jinja2"):
+            message = f"{what} could not render the messages"
+            raise hidden_error(400, message, exc, param="messages") from exc
         raise
+
+
+def _raised_by_template(exc: Exception) -> bool:
+    """transformers' `raise_exception(message)` raises exactly jinja2's TemplateError."""
+    from jinja2.exceptions import TemplateError
+
+    return type(exc) is TemplateError

@@ -22,10 +22,13 @@ _SALT_KEY = b"pagedkv tenant cache salt v1"
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """Who sent a request. `salt` is None when the server has no keys (one tenant)."""
+    """Who sent a request. `salt` is None when the server has no keys (one tenant).
+    `label` names the key in logs without showing it: `keyN`, the Nth API key the
+    server was given, or `adminN`, the Nth admin key; "-" without keys."""
 
     salt: str | None
     is_admin: bool
+    label: str = "-"
 
     def cache_salt(self, request_salt: str | None) -> str | None:
         if self.salt is None:
@@ -51,12 +54,14 @@ class KeyRing:
     """
 
     def __init__(self, api_keys: Iterable[str], admin_keys: Iterable[str] | None = ()) -> None:
-        keys = [k for k in api_keys if k]
-        admins = {k for k in admin_keys or () if k}
+        keys = list(dict.fromkeys(k for k in api_keys if k))
+        admins = list(dict.fromkeys(k for k in admin_keys or () if k))
+        labels = {k: f"key{i}" for i, k in enumerate(keys, 1)}
+        labels.update({k: f"admin{i}" for i, k in enumerate(admins, 1)})
         self._tenants: dict[bytes, Tenant] = {}
-        for key in [*keys, *sorted(admins)]:
+        for key, label in labels.items():
             salt = "tenant:" + hmac.new(_SALT_KEY, key.encode(), hashlib.sha256).hexdigest()
-            self._tenants[_digest(key)] = Tenant(salt=salt, is_admin=key in admins)
+            self._tenants[_digest(key)] = Tenant(salt, is_admin=key in admins, label=label)
         self.num_admins = len(admins)
 
     @property

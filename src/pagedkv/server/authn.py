@@ -8,6 +8,15 @@ key would otherwise get the server to parse up to `max_body_bytes` of JSON, and
 learn from a 400 that its JSON was wrong before hearing that its key was. The
 middleware answers 401 from the headers alone and hands the tenant to the routes
 in the ASGI scope's state.
+
+The same middleware guards what is outside /v1. `/tokenize` and `/detokenize`
+(`server/tokenize.py`) need a key as /v1 does. The API's description (`/docs`,
+`/redoc`, `/openapi.json`) needs a key whenever the API does.
+`/metrics` needs a metrics key (`--metrics-key`) or an admin key whenever the
+server has any key: its counters, read before and after another tenant's
+request, give that request's prompt length, cached tokens and generated tokens,
+which per-key statistics otherwise hide. `/health` stays open for orchestrators:
+it says only whether the server serves, its model and how many requests run.
 """
 
 from __future__ import annotations
@@ -26,14 +35,18 @@ from pagedkv.server.middleware import ErrorBody, openai_body, send_error
 _bearer = HTTPBearer(auto_error=False, description="an API key, when the server has keys")
 
 
+DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+# Outside /v1 because vLLM serves them there; they render prompts like /v1 does.
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})
+METRICS_PATH = "/metrics"
+
+
 def is_api_path(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    return path == "/v1" or path.startswith("/v1/") or path in DOCS_PATHS or path in TOKENIZER_PATHS
 
 
-def tenant_of(keys: KeyRing, headers: list[tuple[bytes, bytes]]) -> Tenant:
-    """The tenant a request's headers name; raises APIError(401) when none."""
-    if not keys.enabled:
-        return ANONYMOUS
+def presented_key(headers: list[tuple[bytes, bytes]]) -> str:
+    """The key a request's headers carry; raises APIError(401) when none."""
     key = None
     for name, value in headers:
         if name == b"authorization":
@@ -49,33 +62,77 @@ def tenant_of(keys: KeyRing, headers: list[tuple[bytes, bytes]]) -> Tenant:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    tenant = keys.lookup(key)
+    return key
+
+
+def tenant_of(keys: KeyRing, headers: list[tuple[bytes, bytes]]) -> Tenant:
+    """The tenant a request's headers name; raises APIError(401) when none."""
+    if not keys.enabled:
+        return ANONYMOUS
+    tenant = keys.lookup(presented_key(headers))
     if tenant is None:
-        raise APIError(
-            401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
-        )
+        raise _invalid_key()
     return tenant
 
 
-class AuthMiddleware:
-    """401 for a /v1 request without a valid key, before one byte of its body is read.
-    /health and /metrics stay open (they show only aggregate counts)."""
+def check_metrics_access(
+    keys: KeyRing, metrics_keys: KeyRing, headers: list[tuple[bytes, bytes]]
+) -> None:
+    """Raises APIError(401/403) unless the headers may read /metrics: open on a server
+    with no key of either kind, else a metrics key or an admin key."""
+    if not keys.enabled and not metrics_keys.enabled:
+        return
+    key = presented_key(headers)
+    if metrics_keys.lookup(key) is not None:
+        return
+    tenant = keys.lookup(key) if keys.enabled else None
+    if tenant is None:
+        raise _invalid_key()
+    if not tenant.is_admin:
+        raise APIError(
+            403,
+            "/metrics shows every tenant's traffic: it needs a metrics key (--metrics-key) "
+            "or an admin key",
+            code="metrics_key_required",
+        )
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, error_body: ErrorBody = openai_body) -> None:
+
+def _invalid_key() -> APIError:
+    return APIError(
+        401, "invalid API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+class AuthMiddleware:
+    """401 for a /v1 or API-description request without a valid key, before one byte of
+    its body is read; 401/403 on /metrics without a metrics or admin key (when the
+    server has keys). /health and unknown paths (404) pass."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: KeyRing,
+        error_body: ErrorBody = openai_body,
+        metrics_keys: KeyRing | None = None,
+    ) -> None:
         self.app = app
         self.keys = keys
+        self.metrics_keys = metrics_keys or KeyRing(())
         self.error_body = error_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not is_api_path(scope["path"]):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
         try:
-            tenant = tenant_of(self.keys, scope["headers"])
+            if is_api_path(path):
+                scope.setdefault("state", {})["tenant"] = tenant_of(self.keys, scope["headers"])
+            elif path == METRICS_PATH:
+                check_metrics_access(self.keys, self.metrics_keys, scope["headers"])
         except APIError as exc:
-            await send_error(send, self.error_body(scope["path"], exc), exc)
+            await send_error(send, self.error_body(path, exc), exc)
             return
-        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 

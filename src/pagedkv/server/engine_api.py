@@ -31,12 +31,18 @@ class EngineAPI(Protocol):
     @property
     def chat_template(self) -> str | None: ...
 
-    def decode(self, token_ids: Sequence[int]) -> str: ...
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]: ...
 
     def encode_continuation(self, text: str) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int]: ...
 
     def stream(
@@ -45,6 +51,7 @@ class EngineAPI(Protocol):
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        owner: str | None = None,
     ) -> Iterator[StreamEvent]: ...
 
     def num_active_requests(self) -> int: ...

@@ -1,6 +1,7 @@
 """The app's exception handlers: every error is JSON in the shape of the API its path
 belongs to (OpenAI's, or Anthropic's under /v1/messages), and pydantic's validation
-errors become 400s that name the field as a JSON path."""
+errors become 400s that name the field as a JSON path. Unhandled exceptions are not
+handled here but in `server/middleware.py` (`RequestIdMiddleware`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedkv.server.anthropic.errors import error_body as anthropic_error_body
 from pagedkv.server.anthropic.errors import error_response, is_messages_path
 from pagedkv.server.http_errors import APIError, bad_request
+from pagedkv.server.request_log import note_error
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ def error_body(path: str, exc: APIError) -> dict[str, Any]:
 
 def add_error_handlers(app: FastAPI) -> None:
     def render(request: Request, exc: APIError) -> Response:
+        note_error(exc.message)  # the request's log line says why it was refused
         if is_messages_path(request.url.path):
             return error_response(exc)
         return exc.response()
@@ -47,13 +50,22 @@ def add_error_handlers(app: FastAPI) -> None:
             message = f"{request.method} is not allowed on {request.url.path}"
         return render(request, APIError(exc.status_code, message, headers=exc.headers))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        error = APIError(
-            500, f"internal error ({type(exc).__name__}); see the server log", type="server_error"
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, exc: RecursionError) -> Response:
+        # The request limits cap nesting before any route recurses (server/nesting.py);
+        # this catches what slips past them, as a 400 with no traceback in the log.
+        log.warning(
+            "%s %s: RecursionError (input nested too deeply)", request.method, request.url.path
         )
-        return render(request, error)
+        return render(
+            request,
+            bad_request(
+                "the request nests too deeply to be served; flatten it", code="nesting_too_deep"
+            ),
+        )
+
+    # An exception no handler here takes (a bug) is answered and logged, once, by
+    # `middleware.RequestIdMiddleware`, which knows the request id.
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> APIError:

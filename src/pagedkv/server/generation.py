@@ -15,8 +15,9 @@ from starlette.types import Receive
 
 from pagedkv.engine.request import GenerationResult, StreamEvent
 from pagedkv.server.event_pump import EventPump
-from pagedkv.server.http_errors import APIError, from_engine_error
+from pagedkv.server.http_errors import REQUEST_ID, APIError, from_engine_error
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.request_log import Tokens, current_record, note_error
 from pagedkv.server.tools.output import ToolMode, ToolStream, tool_call_deltas, tool_calls_json
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class Generation:
         self._first: StreamEvent | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._last_token_at: float | None = None
+        self._first_token_at: float | None = None
+        self._record = current_record()  # the request's log line, filled in by close()
         self._closed = False
         self.results: dict[int, GenerationResult] = {}
         n = options.n
@@ -121,6 +124,7 @@ class Generation:
         now = time.perf_counter()
         if event.token_ids and event.index == 0:
             if self._last_token_at is None:
+                self._first_token_at = now
                 self.metrics.ttft.observe(now - self.arrived)
             else:
                 self.metrics.itl.observe(now - self._last_token_at)
@@ -154,6 +158,7 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        self._note_tokens(outcome)
         self.on_close(self)
         self.metrics.in_flight.dec()
         if self._watcher is not None and self._watcher is not asyncio.current_task():
@@ -169,6 +174,22 @@ class Generation:
                 completion_tokens=sum(len(r.token_ids) for r in results),
                 finish_reasons=[r.finish_reason for r in results],
             )
+
+    def _note_tokens(self, outcome: str) -> None:
+        """Put what the engine did into the request's log line (`server/request_log.py`):
+        the first sample's prompt and cache hits (every sample shares them), every
+        sample's tokens, and each finish reason, or `outcome` when it did not finish."""
+        results = [self.results[i] for i in sorted(self.results)]
+        if self._record is None or (outcome == "rejected" and not results):
+            return  # a refusal: the log line gives its reason instead
+        first = results[0] if results else None
+        self._record.tokens = Tokens(
+            prompt_tokens=first.prompt_tokens if first is not None else None,
+            cached=dict(first.tier_hits) if first is not None else {},
+            generated_tokens=sum(len(r.token_ids) for r in results),
+            ttft_s=None if self._first_token_at is None else self._first_token_at - self.arrived,
+            finish=",".join(r.finish_reason for r in results) if self.done else outcome,
+        )
 
     # -- non-streaming ------------------------------------------------------
 
@@ -277,12 +298,16 @@ class Generation:
                 results = list(self.results.values())
                 yield _sse({**self._chunk_head(), "choices": [], "usage": usage(results)})
         except APIError as exc:
+            note_error(exc.message)  # sent in the stream: the status stays 200
             self.close("rejected" if exc.status < 500 else "cancelled")
             yield _sse(exc.body())
         except Exception as exc:  # headers are sent: the error travels in the stream
-            log.exception("%s: stream failed", self.id)
+            request_id = REQUEST_ID.get()
+            log.exception("request %s (%s): stream failed", request_id, self.id)
             self.close("error")
-            yield _sse(APIError(500, f"internal error: {type(exc).__name__}").body())
+            message = f"internal error: {type(exc).__name__} (request id {request_id})"
+            note_error(message)
+            yield _sse(APIError(500, message, type="server_error").body())
         finally:
             self.close()
         yield b"data: [DONE]\n\n"

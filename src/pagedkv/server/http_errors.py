@@ -1,8 +1,18 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with a status."""
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with a status.
+
+What a client reads is text pagedkv wrote. An exception whose text a library or
+the engine's internals wrote (a tokenizer's, torch's, the one that killed the
+worker) can name internals or another request's data: it becomes a generic
+message carrying the request's id (`hidden_error`), and its own text goes to
+the log under that id. The id is the `x-request-id` response header
+(`server/middleware.py` assigns it).
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from contextvars import ContextVar
 
 from fastapi.responses import JSONResponse
 
@@ -12,6 +22,11 @@ from pagedkv.errors import (
     PagedKVError,
     RequestTooLargeError,
 )
+
+log = logging.getLogger(__name__)
+
+# The id of the request being served; set by RequestIdMiddleware for the request's task.
+REQUEST_ID: ContextVar[str] = ContextVar("pagedkv_request_id", default="-")
 
 RETRY_AFTER_OVERLOADED_S = 1
 RETRY_AFTER_UNAVAILABLE_S = 5
@@ -64,6 +79,27 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def hidden_error(
+    status: int,
+    message: str,
+    exc: BaseException,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> APIError:
+    """`message` and the request id for the client; `exc`'s own text for the log only."""
+    request_id = REQUEST_ID.get()
+    log.warning("request %s: %s: %s: %s", request_id, message, type(exc).__name__, exc)
+    return APIError(
+        status,
+        f"{message} (request id {request_id}; the detail is in the server log)",
+        param=param,
+        code=code,
+        headers=headers,
+    )
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -97,13 +133,17 @@ def from_engine_error(exc: BaseException, *, closing: bool) -> APIError | None:
         )
     if closing:
         return shutting_down()
+    # The typed refusals above carry messages pagedkv wrote from numbers. The rest may
+    # carry foreign text: a closed engine's reason quotes the exception that killed
+    # its worker, and a ValueError may be torch's or the tokenizer's.
     if isinstance(exc, PagedKVError):  # the engine is closed or cannot serve right now
-        return APIError(
+        return hidden_error(
             503,
-            f"the engine cannot serve requests: {exc}",
+            "the engine cannot serve requests now; retry later or on another replica",
+            exc,
             code="engine_unavailable",
             headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)},
         )
     if isinstance(exc, ValueError | TypeError):
-        return bad_request(str(exc))
+        return hidden_error(400, "the engine refused the request", exc)
     return None

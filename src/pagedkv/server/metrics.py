@@ -147,6 +147,8 @@ def stats_json(stats: EngineStats) -> dict[str, Any]:
         "caching_off_reason": stats.caching_off_reason,
         "requests": dataclasses.asdict(stats.requests),
     }
+    if stats.scheduling is not None:
+        out["scheduling"] = dataclasses.asdict(stats.scheduling)
     if stats.cache is not None:
         cache = stats.cache
         out.update(

@@ -1,16 +1,23 @@
-"""ASGI middleware: the request body limit and per-endpoint request counts, and the
-one way every middleware sends an error."""
+"""ASGI middleware: request ids and the one answer to an unhandled exception, the
+request body limit and per-endpoint request counts, and the one way every middleware
+sends an error."""
 
 from __future__ import annotations
 
 import json
+import logging
+import traceback
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedkv.server.http_errors import APIError
+from pagedkv.server.http_errors import REQUEST_ID, APIError
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.request_log import REQUEST_RECORD, RequestRecord, log_request, note_error
+
+log = logging.getLogger(__name__)
 
 KNOWN_PATHS = frozenset(
     {
@@ -21,6 +28,12 @@ KNOWN_PATHS = frozenset(
         "/v1/chat/completions",
         "/v1/cache/stats",
         "/v1/cache/clear",
+        "/v1/cache/explain",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/messages/explain",
+        "/tokenize",
+        "/detokenize",
     }
 )
 
@@ -131,6 +144,96 @@ class RequestMetricsMiddleware:
             self.metrics.requests.labels(path, str(status)).inc()
 
 
+class RequestIdMiddleware:
+    """Gives every request an id: the `x-request-id` response header, `REQUEST_ID` while
+    the request is served (so logs and `hidden_error` name it), and the id in the body
+    of a 500. When the response is sent, it writes the request's one log line
+    (`server/request_log.py`), with the key label `AuthMiddleware` left in the scope.
+
+    Outermost of the app's middlewares, it is where an exception nothing else handled
+    ends: it is logged once, with its traceback and the request id, and the client gets
+    a generic 500 (when no response has started). It is not re-raised: Starlette's
+    own last-resort handler would answer the same and re-raise it to uvicorn, which
+    logs the same traceback a second time. The id is always the server's own, never
+    one a client sent, so a client cannot forge or collide with another's log lines.
+    """
+
+    def __init__(self, app: ASGIApp, error_body: ErrorBody = openai_body) -> None:
+        self.app = app
+        self.error_body = error_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = "req_" + uuid.uuid4().hex
+        token = REQUEST_ID.set(request_id)
+        client = scope.get("client")
+        record = RequestRecord(
+            request_id,
+            scope["method"],
+            scope["path"],
+            f"{client[0]}:{client[1]}" if client else "-",
+        )
+        record_token = REQUEST_RECORD.set(record)
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                record.status = message["status"]
+                headers = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            error = internal_error(scope["method"], scope["path"], exc)
+            if not started:
+                await send_error(send_with_id, self.error_body(scope["path"], error), error)
+        finally:
+            record.key_label = _key_label(scope)
+            log_request(record)
+            REQUEST_RECORD.reset(record_token)
+            REQUEST_ID.reset(token)
+
+
+def _key_label(scope: Scope) -> str:
+    tenant = scope.get("state", {}).get("tenant")
+    label = getattr(tenant, "label", None)
+    return label if isinstance(label, str) else "-"
+
+
+def internal_error(method: str, path: str, exc: BaseException) -> APIError:
+    """Log an unhandled exception (once, with its traceback) and return the 500 the
+    client gets: the exception's type and the request id, never its text."""
+    request_id = REQUEST_ID.get()
+    log.error(
+        "request %s: unhandled error on %s %s:\n%s", request_id, method, path, _short_trace(exc)
+    )
+    return APIError(
+        500,
+        f"internal error ({type(exc).__name__}); see the server log for request id {request_id}",
+        type="server_error",
+    )
+
+
+MAX_TRACE_CHARS = 8000  # a RecursionError's traceback is ~600 KB of one repeated frame
+
+
+def _short_trace(exc: BaseException) -> str:
+    """The traceback of `exc`, its middle cut when long: the head says where the request
+    entered, the tail where it failed."""
+    text = "".join(traceback.format_exception(exc))
+    if len(text) <= MAX_TRACE_CHARS:
+        return text
+    head, tail = MAX_TRACE_CHARS // 4, MAX_TRACE_CHARS * 3 // 4
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[... {cut} characters of traceback cut ...]\n{text[-tail:]}"
+
+
 def _content_length(scope: Scope) -> int | None:
     """The declared length; None when absent, -1 when unreadable."""
     for name, value in scope["headers"]:
@@ -144,7 +247,9 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def send_error(send: Send, payload: dict[str, Any], error: APIError) -> None:
-    """Answer with `error`'s status and headers and `payload` as the JSON body."""
+    """Answer with `error`'s status and headers and `payload` as the JSON body; the
+    request's log line gets its message as the reason."""
+    note_error(error.message)
     body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]

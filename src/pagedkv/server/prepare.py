@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.engine.grammar import GrammarError, ResponseFormat
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.server.http_errors import APIError, bad_request
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import history_tool_calls
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; clients wanting greedy send 0
@@ -39,17 +41,11 @@ def check_supported(body: _SamplingRequest) -> None:
             raise bad_request(
                 "only the sampled token's logprob is available: send logprobs=0", "logprobs"
             )
-    if isinstance(body, ChatCompletionRequest):
-        if body.top_logprobs:
-            raise bad_request(
-                "top_logprobs > 0 is not supported: only the sampled token's logprob is available",
-                "top_logprobs",
-            )
-        kind = (body.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise bad_request(
-                f"response_format type {kind!r} is not supported; only 'text'", "response_format"
-            )
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs:
+        raise bad_request(
+            "top_logprobs > 0 is not supported: only the sampled token's logprob is available",
+            "top_logprobs",
+        )
 
 
 def completion_prompt(body: CompletionRequest) -> str | list[int]:
@@ -135,12 +131,9 @@ def check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> N
             )
 
 
-def max_new_tokens(body: _SamplingRequest, num_prompt: int, max_context: int, param: str) -> int:
-    """max_tokens checked against the context; when not given, all the context left."""
-    asked = body.max_tokens
-    asked_param = "max_tokens"
-    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        asked, asked_param = body.max_completion_tokens, "max_completion_tokens"
+def check_prompt_fits(num_prompt: int, max_context: int, param: str) -> None:
+    """Refuse an empty prompt, and one that leaves no room in the context to generate
+    (explain and count_tokens too: no request could be served with it)."""
     if num_prompt == 0:
         raise bad_request("the prompt is empty", param)
     if num_prompt >= max_context:
@@ -152,6 +145,15 @@ def max_new_tokens(body: _SamplingRequest, num_prompt: int, max_context: int, pa
             param=param,
             code="context_length_exceeded",
         )
+
+
+def max_new_tokens(body: _SamplingRequest, num_prompt: int, max_context: int, param: str) -> int:
+    """max_tokens checked against the context; when not given, all the context left."""
+    asked = body.max_tokens
+    asked_param = "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        asked, asked_param = body.max_completion_tokens, "max_completion_tokens"
+    check_prompt_fits(num_prompt, max_context, param)
     room = max_context - num_prompt
     if asked is None:
         return room
@@ -167,7 +169,44 @@ def max_new_tokens(body: _SamplingRequest, num_prompt: int, max_context: int, pa
     return asked
 
 
-def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: bool) -> SamplingParams:
+def response_format(body: _SamplingRequest, tools: ToolMode | None) -> ResponseFormat | None:
+    """The grammar the output is generated under: `response_format`'s, or a required
+    tool call's; None for free text."""
+    fmt = body.response_format
+    kind = "text" if fmt is None else fmt.type
+    if tools is not None and tools.grammar is not None:
+        if kind != "text":
+            raise bad_request(
+                f"response_format {kind!r} cannot be combined with a required tool call "
+                "(tool_choice): the reply is the call; send one or the other",
+                "response_format",
+            )
+        return tools.grammar
+    if fmt is None or kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return ResponseFormat.json_object()
+        if kind == "json_schema":
+            spec = fmt.json_schema
+            if spec is None or spec.schema_ is None:
+                raise bad_request(
+                    "response_format of type 'json_schema' needs json_schema.schema",
+                    "response_format.json_schema.schema",
+                )
+            return ResponseFormat.json_schema(spec.schema_, f"the JSON schema {spec.name!r}")
+    except GrammarError as exc:
+        raise bad_request(str(exc), "response_format.json_schema.schema") from exc
+    raise bad_request(
+        f"response_format type {kind!r} is not supported; send 'text', 'json_object' or "
+        "'json_schema'",
+        "response_format.type",
+    )
+
+
+def sampling_params(
+    body: _SamplingRequest, max_tokens: int, logprobs: bool, tools: ToolMode | None = None
+) -> SamplingParams:
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     if top_p < MIN_TOP_P or temperature < MIN_TEMPERATURE:
@@ -185,6 +224,7 @@ def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: bool) -> 
             logprobs=logprobs,
             ignore_eos=body.ignore_eos,
             n=body.n,
+            response_format=response_format(body, tools),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from exc

@@ -45,6 +45,23 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`: the output must validate against `schema`.
+    `strict` is accepted either way: the schema is always enforced as written."""
+
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatIn(_Request):
+    """OpenAI's `response_format`; the app refuses types other than the three below."""
+
+    type: str = Field(json_schema_extra={"enum": ["text", "json_object", "json_schema"]})
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -63,6 +80,7 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     ignore_eos: bool = Field(False, description="extension; generate max_tokens tokens")
+    response_format: ResponseFormatIn | None = None
     cache_salt: Text | None = Field(
         None,
         min_length=1,
@@ -141,10 +159,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ToolDef] | None = Field(None, max_length=512)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: dict[str, Any] | None = Field(
-        None,
-        json_schema_extra={"properties": {"type": {"enum": ["text"]}}},
-    )
 
 
 # -- responses ---------------------------------------------------------------

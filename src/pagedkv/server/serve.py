@@ -8,10 +8,12 @@ flushes queued cache writes within `close_timeout`. The defaults keep the whole
 sequence under 20 s, the usual grace period before a SIGKILL. A second SIGINT
 skips the waiting.
 
-Connections: at most `max_connections` at once (uvicorn's `limit_concurrency`;
-requests past it get 503), and each request must arrive in full within
-`receive_timeout` seconds (`server/transport.py`), so slow or stalled clients
-cannot hold the server's connections.
+Connections (`server/transport.py`): requests arriving while more than
+`max_connections` are open get 503, except /health and /metrics, which answer
+whatever the count; one client address may hold `max_connections_per_client`;
+a request's headers must arrive within `header_timeout` seconds and the whole
+request within `receive_timeout`, so slow or stalled clients can neither hold
+the server's connections nor make its health check fail.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import signal
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -30,8 +32,14 @@ import uvicorn
 from pagedkv.engine.stats import EngineStats
 from pagedkv.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
 from pagedkv.server.engine_api import EngineAPI
+from pagedkv.server.error_handlers import error_body
 from pagedkv.server.limits import RequestLimits
-from pagedkv.server.transport import DEFAULT_RECEIVE_TIMEOUT_S, deadline_protocol
+from pagedkv.server.transport import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_RECEIVE_TIMEOUT_S,
+    ConnectionGuard,
+)
+from pagedkv.startup import bind_port
 
 log = logging.getLogger(__name__)
 
@@ -49,22 +57,32 @@ def run_server(
     limits: RequestLimits | None = None,
     max_requests_per_key: int | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_client: int | None = None,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT_S,
+    metrics_keys: Iterable[str] = (),
     keys_on_command_line: bool = False,
     model_name: str | None = None,
     tool_call_parser: str | None = None,
+    served_model_names: Sequence[str] = (),
     log_level: str = "info",
-    access_log: bool = True,
+    access_log: bool = False,
     drain_timeout: float = 5.0,
     close_timeout: float = 10.0,
+    sock: socket.socket | None = None,
 ) -> int:
     """Serve `engine` until SIGTERM/SIGINT, then close it; returns the exit status: 0, or
     1 when the engine's worker died (its requests have failed; a supervisor should
     restart the server).
 
-    `port=0` picks a free port; the URL is logged either way. The engine is
-    closed on return, also when the server fails to start. `keys_on_command_line`
+    `port=0` picks a free port; the URL is logged either way. `sock`, a socket
+    `bind_port` bound before the model was loaded, is served instead of binding
+    `host:port`. The engine is closed on return, also when the server fails to start.
+    Each request logs one line (`server/request_log.py`); `access_log` adds
+    uvicorn's own access line, which says less and would repeat it. `keys_on_command_line`
     (the CLI sets it) logs a warning: other users of the host can read them in `ps`.
+    `max_connections_per_client` None is a quarter of `max_connections`; 0 is no cap.
+    `metrics_keys` may read /metrics (as may admin keys; see `server/authn.py`).
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(
@@ -82,20 +100,25 @@ def run_server(
             max_requests_per_key=max_requests_per_key,
             model_name=model_name,
             tool_call_parser=tool_call_parser,
+            metrics_keys=metrics_keys,
+            served_model_names=served_model_names,
         )
         state: ServerState = app.state.pagedkv
-        sock = _bind(host, port)
+        sock = _listen(sock if sock is not None else bind_port(host, port))
         url = f"http://{_url_host(host)}:{sock.getsockname()[1]}"
         config = server_config(
             app,
             log_level=log_level,
             access_log=access_log,
             max_connections=max_connections,
+            max_connections_per_client=max_connections_per_client,
+            header_timeout=header_timeout,
             receive_timeout=receive_timeout,
             drain_timeout=drain_timeout,
         )
         server = _Server(config, state, drain_timeout, engine)
-        _log_startup(engine, state, url, keys_on_command_line)
+        num_metrics_keys = len({k for k in metrics_keys if k})
+        _log_startup(engine, state, url, keys_on_command_line, num_metrics_keys, served_model_names)
         server.run(sockets=[sock])
         died = server.engine_died
     finally:
@@ -110,21 +133,38 @@ def server_config(
     app: object,
     *,
     log_level: str = "info",
-    access_log: bool = True,
+    access_log: bool = False,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_connections_per_client: int | None = None,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
     receive_timeout: float = DEFAULT_RECEIVE_TIMEOUT_S,
     drain_timeout: float = 5.0,
 ) -> uvicorn.Config:
-    """uvicorn's configuration for `app`, with pagedkv's connection limits."""
+    """uvicorn's configuration for `app`, with pagedkv's connection limits (uvicorn's own
+    `limit_concurrency` is off: it refused /health too; see `server/transport.py`)."""
+    if max_connections_per_client is None:
+        max_connections_per_client = default_per_client_cap(max_connections)
+    guard = ConnectionGuard(
+        max_connections=max_connections,
+        max_per_client=max_connections_per_client,
+        header_timeout=header_timeout,
+        receive_timeout=receive_timeout,
+    )
     return uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        http=deadline_protocol(receive_timeout),
-        limit_concurrency=max_connections,
+        guard.wrap(app, error_body),  # type: ignore[arg-type]
+        http=guard.protocol(),
+        limit_concurrency=None,
         log_level=log_level,
         access_log=access_log,
         lifespan="off",
         timeout_graceful_shutdown=int(drain_timeout) + 2,
     )
+
+
+def default_per_client_cap(max_connections: int) -> int:
+    """A quarter of the connections: it takes four addresses to fill the server, while
+    one busy client (an application server calling in parallel) still gets hundreds."""
+    return max(1, max_connections // 4)
 
 
 def load_api_keys(path: str | Path) -> list[str]:
@@ -191,18 +231,15 @@ class _Server(uvicorn.Server):
             log.warning("cancelled %d requests still running after %.0f s", n, delay)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def _listen(sock: socket.socket) -> socket.socket:
     try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
+        # connect()s made from now on wait in the backlog until uvicorn accepts
+        sock.listen(2048)
+    except OSError as exc:  # another process bound the port too, and listened first
+        host, port = sock.getsockname()[:2]
         raise OSError(
             exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port"
         ) from exc
-    sock.listen(2048)  # connect()s made from now on wait in the backlog until uvicorn accepts
     sock.set_inheritable(True)
     return sock
 
@@ -214,11 +251,26 @@ def _url_host(host: str) -> str:
 
 
 def _log_startup(
-    engine: EngineAPI, state: ServerState, url: str, keys_on_command_line: bool
+    engine: EngineAPI,
+    state: ServerState,
+    url: str,
+    keys_on_command_line: bool,
+    num_metrics_keys: int = 0,
+    served_model_names: Sequence[str] = (),
 ) -> None:
-    log.info("model %s (context %d tokens)", state.model_name, engine.max_context)
-    for line in _cache_lines(engine.cache_stats()):
+    # Every name a request may give as `model`, the id clients see first (`served_names`).
+    names = list(dict.fromkeys([*served_model_names, state.model_name, engine.model_name]))
+    log.info(
+        "model %s (context %d tokens); requests may name it %s",
+        engine.model_name,
+        engine.max_context,
+        ", ".join(names),
+    )
+    stats = engine.cache_stats()
+    for line in _cache_lines(stats):
         log.info("cache: %s", line)
+    if stats.cache is not None and not any(t != "ram" for t in stats.cache.tiers):
+        log.info("cache: RAM only, nothing is kept on disk; it is lost when the server stops")
     if keys_on_command_line:
         log.warning(
             "API keys were given on the command line, where any user of this host can "
@@ -233,6 +285,13 @@ def _log_startup(
         )
         if state.share.limit is not None:
             log.info("each key may have %d requests running at once", state.share.limit)
+        if num_metrics_keys or state.keys.num_admins:
+            log.info("/metrics needs a metrics key (%d) or an admin key", num_metrics_keys)
+        else:
+            log.warning(
+                "/metrics answers no one: with API keys it needs a metrics key "
+                "(--metrics-key, PAGEDKV_METRICS_KEY) or an admin key"
+            )
     else:
         log.info("no API keys: anyone who can reach %s can use the server", url)
     auth = " -H 'Authorization: Bearer <your key>'" if state.keys.enabled else ""

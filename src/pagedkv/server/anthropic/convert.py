@@ -89,6 +89,19 @@ def _assistant_turn(blocks: list[ContentBlock], param: str) -> dict[str, Any]:
     return message
 
 
+def chat_origins(body: CountTokensRequest) -> list[int | None]:
+    """For each message of `to_chat_request(body)`, the index in `body.messages` it came
+    from (a user turn's tool results are one chat message each); None for the system
+    prompt. Lets explain name a section by the caller's own message index."""
+    origins: list[int | None] = [None] if body.system else []
+    for i, msg in enumerate(body.messages):
+        if isinstance(msg.content, str) or msg.role == "assistant":
+            origins.append(i)
+        else:
+            origins.extend([i] * len(_user_turn(msg.content, f"messages[{i}].content")))
+    return origins
+
+
 def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The OpenAI form of `body` (sampling fields too for a `MessagesRequest`)."""
     messages: list[dict[str, Any]] = []

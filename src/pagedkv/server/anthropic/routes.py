@@ -1,4 +1,4 @@
-"""`POST /v1/messages` and `POST /v1/messages/count_tokens`.
+"""`POST /v1/messages`, `POST /v1/messages/count_tokens` and `POST /v1/messages/explain`.
 
 The routes borrow the OpenAI app's machinery through `MessagesContext` (the
 model check, the chat prompt with tools, starting a generation), so both APIs
@@ -17,16 +17,25 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pagedkv.server.anthropic.convert import to_chat_request
+from pagedkv.server.anthropic.convert import chat_origins, to_chat_request
+from pagedkv.server.anthropic.explain import (
+    MessagesExplainRequest,
+    refuse_unknown_messages_fields,
+    section_in_messages,
+)
 from pagedkv.server.anthropic.protocol import (
     AnthropicErrorResponse,
     CountTokensRequest,
     MessagesRequest,
 )
 from pagedkv.server.anthropic.render import AnthropicReply, ReplyOptions
+from pagedkv.server.auth import Tenant
 from pagedkv.server.authn import TenantDep
+from pagedkv.server.explain import SectionMap
 from pagedkv.server.generation import Generation
+from pagedkv.server.limits import ShareHeld
 from pagedkv.server.protocol import ChatCompletionRequest
+from pagedkv.server.sections import PromptSection
 from pagedkv.server.tools.output import ToolMode
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -39,18 +48,23 @@ STREAMS: dict[int | str, dict[str, Any]] = {
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     },
 }
-ChatPrompt = Callable[[ChatCompletionRequest], Awaitable[tuple[list[int], ToolMode | None]]]
+ChatPrompt = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
+PromptOnly = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
 StartGeneration = Callable[..., Awaitable[Generation]]
+Explain = Callable[[ChatCompletionRequest, Tenant, SectionMap], Awaitable[dict[str, Any]]]
 
 
 @dataclass(frozen=True)
 class MessagesContext:
     model_name: str
     check_open: Callable[[str | None], None]
-    chat_prompt: ChatPrompt
-    start_generation: StartGeneration  # (request, body, ids, tenant, arrived, tools)
+    chat_prompt: ChatPrompt  # the caller holds the key's share
+    prompt_only: PromptOnly  # takes the share itself; refuses prompts past the context
+    admit: Callable[[Tenant, int], ShareHeld]
+    start_generation: StartGeneration  # (request, body, ids, tenant, arrived, held, tools)
     decode: Callable[[Sequence[int]], str]
     block_size: int | None
+    explain: Explain  # `explain.Explainer.explain`: the answer of /v1/cache/explain
 
 
 def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
@@ -58,9 +72,11 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
     async def messages(request: Request, body: MessagesRequest, tenant: TenantDep) -> Response:
         arrived = time.perf_counter()
         ctx.check_open(body.model)
-        chat = to_chat_request(body)
-        ids, mode = await ctx.chat_prompt(chat)
-        gen = await ctx.start_generation(request, chat, ids, tenant, arrived, mode)
+        held = ctx.admit(tenant, 1)
+        with held.released_on_error():
+            chat = to_chat_request(body)
+            ids, mode = await ctx.chat_prompt(chat, tenant)
+            gen = await ctx.start_generation(request, chat, ids, tenant, arrived, held, mode)
         options = ReplyOptions(
             model=ctx.model_name,
             tools=mode,
@@ -81,5 +97,21 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], responses=ERRORS)
     async def count_tokens(body: CountTokensRequest, tenant: TenantDep) -> Response:
         ctx.check_open(body.model)
-        ids, _ = await ctx.chat_prompt(to_chat_request(body))
+        ids, _ = await ctx.prompt_only(to_chat_request(body), tenant)
         return JSONResponse({"input_tokens": len(ids)})
+
+    @app.post("/v1/messages/explain", tags=["anthropic"], responses=ERRORS)
+    async def explain(body: MessagesExplainRequest, tenant: TenantDep) -> Response:
+        """What this Messages request would reuse from the cache if sent now, and why
+        not more: the answer of POST /v1/cache/explain, for the prompt /v1/messages
+        would render (top-level system and tools included). Never generates."""
+        ctx.check_open(body.model)
+        refuse_unknown_messages_fields(body)
+        chat = to_chat_request(body)
+        origins = chat_origins(body)
+        roles = [m.role for m in body.messages]
+
+        def sections(section: PromptSection | None) -> PromptSection | None:
+            return section_in_messages(section, origins, roles)
+
+        return JSONResponse(await ctx.explain(chat, tenant, sections))

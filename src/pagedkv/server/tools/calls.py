@@ -8,6 +8,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.server import nesting
+
 
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
@@ -46,8 +48,8 @@ def call_from_json(obj: Any, args_keys: tuple[str, ...]) -> ToolCall | None:
             break
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = nesting.loads(args)
+        except ValueError:  # bad JSON, or nested past MAX_JSON_DEPTH
             return None
     if not isinstance(args, dict):
         return None
@@ -58,9 +60,11 @@ class ToolCallParser(ABC):
     """Finds tool calls in generated text, for one model family's documented format.
 
     Rules every parser keeps: parsing never raises; if any call in the text is
-    malformed (bad JSON, no name, arguments not an object) the whole reply is
-    returned as content, so a client sees what the model wrote instead of a
-    500 or a half-parsed answer.
+    malformed (bad JSON, JSON nested deeper than `nesting.MAX_JSON_DEPTH`, no
+    name, arguments not an object) the whole reply is returned as content, so a
+    client sees what the model wrote instead of a 500 or a half-parsed answer.
+    Decode with `nesting.loads` / `nesting.raw_decode`, never `json` directly:
+    a model can write `[` ten thousand times, and Python's decoder recurses.
     """
 
     name: str
@@ -73,7 +77,10 @@ class ToolCallParser(ABC):
         """Where in `text` (the reply so far) a call may begin: a stream sends text
         before this index as content and holds the rest back; None holds nothing."""
 
-    @abstractmethod
-    def forced_prefix(self, function: str | None) -> str:
-        """The start of a call, appended to the prompt when the client requires a call
-        (`tool_choice` "required", or a named function when `function` is given)."""
+    # The text around one call and between calls, and the key of its arguments, as the
+    # parser reads them: a required call is generated under a grammar made of these
+    # (`tools/grammar.py`), so what the model is forced to write is what parses.
+    call_open: str
+    call_close: str
+    call_separator: str
+    args_key: str

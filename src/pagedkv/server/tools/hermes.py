@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import json
 import re
 
+from pagedkv.server import nesting
 from pagedkv.server.tools.calls import ParsedOutput, ToolCall, ToolCallParser, call_from_json, plain
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -15,6 +15,8 @@ _CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", r
 
 class HermesParser(ToolCallParser):
     name = "hermes"
+    call_open, call_close, call_separator = OPEN + "\n", "\n" + CLOSE, "\n"
+    args_key = "arguments"
 
     def parse(self, text: str) -> ParsedOutput:
         if OPEN not in text:
@@ -22,8 +24,8 @@ class HermesParser(ToolCallParser):
         calls: list[ToolCall] = []
         for match in _CALL.finditer(text):
             try:
-                obj = json.loads(match.group(1).strip())
-            except json.JSONDecodeError:
+                obj = nesting.loads(match.group(1).strip())
+            except ValueError:  # bad JSON, or nested past MAX_JSON_DEPTH
                 return plain(text)
             call = call_from_json(obj, ("arguments", "parameters"))
             if call is None:
@@ -40,8 +42,3 @@ class HermesParser(ToolCallParser):
             if text.endswith(OPEN[:n]):
                 return len(text) - n
         return None
-
-    def forced_prefix(self, function: str | None) -> str:
-        if function is None:
-            return OPEN + '\n{"name": "'
-        return OPEN + "\n" + '{"name": ' + json.dumps(function) + ', "arguments": '

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from pagedkv.server import nesting
 from pagedkv.server.tools.calls import ParsedOutput, ToolCall, ToolCallParser, call_from_json, plain
 
 PYTHON_TAG = "<|python_tag|>"
@@ -13,6 +14,8 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
+    call_open, call_close, call_separator = "", "", "; "
+    args_key = "parameters"
 
     def parse(self, text: str) -> ParsedOutput:
         body = text.strip()
@@ -25,8 +28,8 @@ class Llama3JsonParser(ToolCallParser):
         at = 0
         while at < len(body):
             try:
-                obj, end = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
+                obj, end = nesting.raw_decode(decoder, body, at)
+            except ValueError:  # bad JSON, or nested past MAX_JSON_DEPTH
                 return plain(text)
             call = call_from_json(obj, ("parameters", "arguments"))
             if call is None:
@@ -45,8 +48,3 @@ class Llama3JsonParser(ToolCallParser):
         if PYTHON_TAG.startswith(head):
             return 0
         return None
-
-    def forced_prefix(self, function: str | None) -> str:
-        if function is None:
-            return '{"name": "'
-        return '{"name": ' + json.dumps(function) + ', "parameters": '

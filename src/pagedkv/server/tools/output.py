@@ -5,24 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.engine.grammar import ResponseFormat
 from pagedkv.server.tools.calls import ParsedOutput, ToolCall, ToolCallParser
 
 
 @dataclass(frozen=True, slots=True)
 class ToolMode:
-    """How a request uses tools: the parser of the model's format, the start of a call
-    the prompt was extended with (`tool_choice` "required" or a named function; the
-    model writes the rest), and whether more than one call may be returned."""
+    """How a request uses tools: the parser of the model's format, the grammar the
+    reply is generated under when a call is required (`tool_choice` "required" or a
+    named function; `tools/grammar.py`), and whether more than one call may be
+    returned."""
 
     parser: ToolCallParser
-    prefix: str = ""
+    grammar: ResponseFormat | None = None
     parallel: bool = True
 
     def parse(self, text: str) -> ParsedOutput:
         """The whole reply; `text` is what the model generated after the prompt."""
-        parsed = self.parser.parse(self.prefix + text)
+        parsed = self.parser.parse(text)
         if not parsed.tool_calls:
-            return ParsedOutput(self.prefix + text, [])
+            return ParsedOutput(text, [])
         return self._limit(parsed)
 
     def _limit(self, parsed: ParsedOutput) -> ParsedOutput:
@@ -40,9 +42,9 @@ class ToolStream:
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
-        self.text = mode.prefix
+        self.text = ""
         self.sent = 0
-        self.forced = bool(mode.prefix)
+        self.forced = mode.grammar is not None  # the reply is calls only: hold it all
 
     def feed(self, delta: str) -> str:
         """The content to send now, after `delta` arrived."""

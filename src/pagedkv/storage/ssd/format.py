@@ -17,7 +17,7 @@ memory to the file and from the file into the returned tensor's memory with no
 copy in between, which is what lets a restore run at disk speed. The parser is
 strict and total: any bytes at all give a block or a `CacheCorruptionError`
 (which the store turns into a miss), never another exception; hypothesis fuzzes
-that (`tests/storage/test_ssd_format_fuzz.py`).
+that (`tests/storage/test_ssd_hardening.py`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch
 
 from pagedkv.errors import CacheCorruptionError
 from pagedkv.storage.ssd.memory import BlockMemory
+from pagedkv.storage.ssd.safefile import MAX_BLOCK_FILE_BYTES, open_regular
 
 _ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the logical block
 # Shared by every store of the process: ~90 blocks of 2.9 MiB, more than a 4K-token
@@ -118,11 +119,12 @@ def read_block_file(path: Path, expected_size: int | None = None, direct: bool =
       the requests), then `POSIX_FADV_DONTNEED` for the file.
 
     Raises FileNotFoundError, OSError, or CacheCorruptionError when the size is
-    not `expected_size` (a truncated or replaced file).
+    not `expected_size` (a truncated or replaced file) or the path is not a
+    regular file of at most `MAX_BLOCK_FILE_BYTES` (a link, a FIFO: `ssd_safefile`),
+    checked before any memory is taken for it.
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd, size = open_regular(path, MAX_BLOCK_FILE_BYTES)
     try:
-        size = os.fstat(fd).st_size
         if expected_size is not None and size != expected_size:
             raise CacheCorruptionError(
                 f"block file is {size} bytes, the index says {expected_size}"

@@ -2,6 +2,10 @@
 
 Usable without a model or a running store (`pagedkv cache stats|check|clear`):
 `cache_stats`, `check_cache` and `clear_cache` take only the directory.
+`live_writers` counts the stores that have the directory open now (each holds a
+writer lock, `ssd_ownership`), which `pagedkv cache clear` refuses to clear under
+unless forced; `namespaces_of_weights` finds a model's namespaces by the
+descriptions the stores recorded (`ssd_namespaces`).
 
 Choices:
 - A block file without an index row (a crash between rename and insert, or
@@ -25,8 +29,10 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from os.path import lexists
 from pathlib import Path
 
 from pagedkv.errors import CacheCorruptionError
@@ -34,11 +40,20 @@ from pagedkv.storage.secret import CacheSecret
 from pagedkv.storage.ssd.format import SUFFIX, decode_file
 from pagedkv.storage.ssd.index import NamespaceUsage, SSDIndex
 from pagedkv.storage.ssd.io import read_file
-from pagedkv.storage.ssd.ownership import TEMP_MARK, is_stale_temp, stale_locks
+from pagedkv.storage.ssd.namespaces import NamespaceInfo, read_namespace
+from pagedkv.storage.ssd.ownership import (
+    LOCK_SUFFIX,
+    LOCKS_DIR,
+    TEMP_MARK,
+    is_stale_temp,
+    stale_locks,
+)
+from pagedkv.storage.ssd.safefile import BadCacheFileError, is_regular_or_missing
 from pagedkv.storage.ssd.seed import SEED_NAME
 from pagedkv.storage.ssd.versions import block_path, is_version_dir, version_tree
 
 INDEX_NAME = "index.sqlite"
+INDEX_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the index and SQLite's files beside it
 
 
 @dataclass
@@ -75,7 +90,9 @@ class DirectoryStats:
     `bytes_per_token`: file bytes (KV, token ids, header) per cached token, by namespace:
     what a token of each model and KV dtype costs on this disk. Counts are this block
     format version's; `other_versions` has other versions' blocks and bytes, by version
-    (invisible to this one, but within the same capacity; see `ssd_versions`)."""
+    (invisible to this one, but within the same capacity; see `ssd_versions`).
+    `descriptions`: who wrote each namespace (`ssd_namespaces`), None where unrecorded.
+    `live_writers`: stores that have the directory open now (servers, `generate`)."""
 
     directory: str
     num_blocks: int
@@ -85,6 +102,8 @@ class DirectoryStats:
     num_tokens: int = 0
     bytes_per_token: dict[str, float] = field(default_factory=dict)
     other_versions: dict[str, NamespaceUsage] = field(default_factory=dict)
+    descriptions: dict[str, NamespaceInfo | None] = field(default_factory=dict)
+    live_writers: int = 0
 
 
 @dataclass(slots=True)
@@ -187,8 +206,9 @@ def reconcile(
                 maybe_corrupt.append(h)
     with index.transaction():
         now = index.lookup([*maybe_missing, *maybe_unknown, *maybe_corrupt])
-        missing = [h for h in maybe_missing if h in now and not block_path(root, h).exists()]
-        unknown = {h: p for h, p in maybe_unknown.items() if h not in now and p.exists()}
+        # lexists: a link is an entry of the tree (removed below), not the file it names
+        missing = [h for h in maybe_missing if h in now and not lexists(block_path(root, h))]
+        unknown = {h: p for h, p in maybe_unknown.items() if h not in now and lexists(p)}
         corrupt = [
             h
             for h in maybe_corrupt
@@ -218,12 +238,12 @@ def _reindex(index: SSDIndex, path: Path, block_hash: bytes, secret: CacheSecret
     """Index a file that verifies (MAC too, with a secret), as least recently used;
     delete one that does not."""
     try:
-        stat = path.stat()
-        block, checksum = decode_file(read_file(path), block_hash, secret=secret)
+        data = read_file(path)
+        block, checksum = decode_file(data, block_hash, secret=secret)
     except (OSError, CacheCorruptionError):
         unlink_quiet(path)
         return 0
-    index.insert_row(block.meta, stat.st_size, checksum)
+    index.insert_row(block.meta, data.numel(), checksum)
     return 1
 
 
@@ -244,9 +264,20 @@ def clear_tree(root: Path, index: SSDIndex, namespace: str | None) -> int:
     return len(gone)
 
 
+def check_index_files(root: Path) -> None:
+    """Raise BadCacheFileError when the index or a file SQLite keeps beside it is a
+    link or not a regular file: SQLite opens them by name, following links (it would
+    open a file elsewhere), and would wait forever reading a FIFO."""
+    for suffix in INDEX_SUFFIXES:
+        path = root / (INDEX_NAME + suffix)
+        if not is_regular_or_missing(path):
+            raise BadCacheFileError(path, "is a link or not a regular file")
+
+
 def open_index(root: Path) -> SSDIndex:
     """The index of an existing cache directory, read-only when the disk is."""
     path = root / INDEX_NAME
+    check_index_files(root)
     if not path.is_file():
         raise FileNotFoundError(
             f"{root} is not a pagedkv SSD cache (no {INDEX_NAME}); "
@@ -266,12 +297,14 @@ def _stats(root: Path, index: SSDIndex) -> DirectoryStats:
         num_blocks=sum(u.num_blocks for u in usage.values()),
         bytes_used=sum(u.num_bytes for u in usage.values()),
         namespaces=usage,
-        has_seed=(root / SEED_NAME).is_file(),
+        has_seed=(root / SEED_NAME).exists() and is_regular_or_missing(root / SEED_NAME),
         other_versions=index.other_versions_usage(),
         num_tokens=sum(tokens.values()),
         bytes_per_token={
             ns: round(u.num_bytes / tokens[ns], 1) for ns, u in usage.items() if tokens.get(ns)
         },
+        descriptions={ns: read_namespace(root, ns) for ns in usage},
+        live_writers=live_writers(root),
     )
 
 
@@ -295,11 +328,46 @@ def check_cache(directory: str | Path, fix: bool = False) -> CheckReport:
         index.close()
 
 
-def clear_cache(directory: str | Path, namespace: str | None = None) -> int:
-    """Delete all blocks, or one namespace's; the seed file stays. Returns blocks removed."""
+def clear_cache(
+    directory: str | Path, namespace: str | None = None, namespaces: Sequence[str] = ()
+) -> int:
+    """Delete all blocks, or those of `namespace` and `namespaces`; the seed file and the
+    namespace descriptions stay. Returns blocks removed."""
+    root = Path(directory).expanduser()
+    chosen = [*([namespace] if namespace is not None else []), *namespaces]
+    index = open_index(root)
+    try:
+        if not chosen:
+            return clear_tree(root, index, None)
+        return sum(clear_tree(root, index, ns) for ns in dict.fromkeys(chosen))
+    finally:
+        index.close()
+
+
+def live_writers(directory: str | Path) -> int:
+    """Stores (in any process, or container sharing the volume) that have the directory
+    open now: the writer locks someone holds. A lock that cannot be tested counts as held."""
+    root = Path(directory).expanduser()
+    try:
+        names = [e.path for e in os.scandir(root / LOCKS_DIR) if e.name.endswith(LOCK_SUFFIX)]
+    except OSError:
+        return 0
+    free = set(map(str, stale_locks(root)))
+    return sum(1 for name in names if name not in free)
+
+
+def namespaces_of_weights(directory: str | Path, weights: str) -> list[str]:
+    """The namespaces with blocks in `directory` whose recorded description names the
+    weights digest `weights` (every dtype, KV dtype and block size of one model)."""
     root = Path(directory).expanduser()
     index = open_index(root)
     try:
-        return clear_tree(root, index, namespace)
+        usage = index.usage()
     finally:
         index.close()
+    found = []
+    for ns in usage:
+        info = read_namespace(root, ns)
+        if info is not None and info.weights == weights:
+            found.append(ns)
+    return found

@@ -19,6 +19,7 @@ named by a pid (written before this scheme) are stale after an hour.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 from pagedkv.errors import PagedKVError
+from pagedkv.storage.ssd.safefile import CREATE_FLAGS
 
 log = logging.getLogger("pagedkv.storage.ssd")
 
@@ -95,7 +97,7 @@ def create_private(path: Path) -> None:
     """Create an empty file 0600 unless it exists (the index, before SQLite opens it,
     so that its -wal and -shm files, which SQLite creates with the same mode, are 0600 too)."""
     with contextlib.suppress(FileExistsError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
+        os.close(os.open(path, CREATE_FLAGS, FILE_MODE))
 
 
 class WriterLock:
@@ -107,7 +109,8 @@ class WriterLock:
         self._fd: int | None = None
         try:
             make_private_dir(self._path.parent)
-            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL, FILE_MODE)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(self._path, flags, FILE_MODE)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._fd = fd
         except OSError:
@@ -126,14 +129,17 @@ class WriterLock:
 
 
 def _lock_is_free(lock_path: Path) -> bool:
-    """True when nobody holds the writer lock at `lock_path` (or it does not exist)."""
+    """True when nobody holds the writer lock at `lock_path` (or it does not exist, or
+    is no lock a writer made: a link or a FIFO, which is opened without waiting)."""
     try:
-        fd = os.open(lock_path, os.O_RDONLY)
+        fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return True
-    except OSError:
-        return False  # cannot tell: keep the file
+    except OSError as exc:
+        return exc.errno in (errno.ELOOP, errno.ENXIO)  # else cannot tell: keep the file
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return True
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
@@ -150,7 +156,7 @@ def is_stale_temp(root: Path, path: Path) -> bool:
     if owner.startswith("w"):
         return _lock_is_free(root / LOCKS_DIR / (owner + LOCK_SUFFIX))
     with contextlib.suppress(OSError):
-        return time.time() - path.stat().st_mtime > LEGACY_STALE_S
+        return time.time() - os.lstat(path).st_mtime > LEGACY_STALE_S
     return False
 
 
@@ -177,7 +183,7 @@ def write_temp(
     missing data; the checksum turns that into a miss, never a wrong hit.
     """
     tmp = lock.temp_name(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    fd = os.open(tmp, CREATE_FLAGS, FILE_MODE)
     try:
         try:
             for chunk in [memoryview(prefix), *buffers]:

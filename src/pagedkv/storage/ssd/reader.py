@@ -45,6 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from pagedkv.errors import CacheCorruptionError
+from pagedkv.storage.ssd.safefile import CREATE_FLAGS, load_json
+
 log = logging.getLogger(__name__)
 
 ReadPath = Literal["direct", "buffered"]
@@ -54,6 +57,8 @@ MIN_SAMPLES = 3
 KEEP_SAMPLES = 5
 RETRY_EVERY = 16
 MIN_SAMPLE_BYTES = 32 * 1024**2
+MAX_CHOICE_BYTES = 64 * 1024  # what `record` writes is under 1 KiB
+MAX_MIB_S = 1e9  # a PiB/s: any figure above is not a measurement
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -63,8 +68,9 @@ class ReadPathChooser:
     """Picks the read path of each batch and learns from its measured throughput.
 
     Thread-safe. `fixed` pins one path (no measuring, nothing written). The
-    choice file is advisory: unreadable or malformed, it is ignored and
-    rewritten; unwritable, the figures live in memory only.
+    choice file is advisory: unreadable or malformed (any bytes, a link, a
+    FIFO, a huge file: `ssd_safefile`), it is ignored with a warning, measured
+    again and rewritten; unwritable, the figures live in memory only.
     """
 
     def __init__(self, directory: Path | None, fixed: ReadPath | None = None) -> None:
@@ -129,25 +135,29 @@ class ReadPathChooser:
         if self._file is None or self.fixed is not None:
             return
         try:
-            state = json.loads(self._file.read_text())
-            figures = state["mib_s"]
-            for p in READ_PATHS:
-                values = [float(x) for x in figures.get(p, [])]
-                self._samples[p] = [x for x in values if x > 0][-KEEP_SAMPLES:]
-            self._measured = max(0, int(state.get("measured", 0)))
+            state = _parse_state(load_json(self._file, MAX_CHOICE_BYTES))
         except FileNotFoundError:
             return
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
-            log.info("ignoring the SSD read-path figures in %s (%s)", self._file, exc)
-            self._samples = {p: [] for p in READ_PATHS}
-            self._measured = 0
+        except (OSError, CacheCorruptionError) as exc:
+            log.warning("ignoring the SSD read-path figures: %s; measuring again", exc)
+            return
+        if state is None:
+            log.warning(
+                "ignoring the SSD read-path figures in %s: not the figures pagedkv writes; "
+                "measuring again",
+                self._file,
+            )
+            return
+        self._samples, self._measured = state
 
     def _save(self, text: str) -> None:
         if self._file is None:
             return
-        tmp = self._file.with_name(f"{CHOICE_NAME}.tmp-{os.getpid()}-{threading.get_ident()}")
+        # A random name, created exclusively: a file or link already there (planted, or
+        # left by a crash) is never truncated or written through.
+        tmp = self._file.with_name(f"{CHOICE_NAME}.tmp-{os.urandom(6).hex()}")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(tmp, CREATE_FLAGS, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, self._file)
@@ -157,6 +167,25 @@ class ReadPathChooser:
             if not self._write_warned:
                 self._write_warned = True
                 log.info("SSD read-path figures not kept in %s (%s)", self._file, exc)
+
+
+def _parse_state(state: object) -> tuple[dict[ReadPath, list[float]], int] | None:
+    """The kept figures and the measured count from a decoded choice file, or None when
+    any part is not what `record` writes (a type, a range, a missing key)."""
+    if not isinstance(state, dict) or not isinstance(state.get("mib_s"), dict):
+        return None
+    samples: dict[ReadPath, list[float]] = {}
+    for p in READ_PATHS:
+        values = state["mib_s"].get(p, [])
+        if not isinstance(values, list) or not all(
+            type(x) in (int, float) and 0 < x < MAX_MIB_S for x in values
+        ):
+            return None
+        samples[p] = [float(x) for x in values[-KEEP_SAMPLES:]]
+    measured = state.get("measured", 0)
+    if type(measured) is not int or not 0 <= measured < 2**62:
+        return None
+    return samples, measured
 
 
 @dataclass(slots=True)

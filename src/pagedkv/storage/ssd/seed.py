@@ -17,22 +17,26 @@ import os
 import time
 from pathlib import Path
 
+from pagedkv.storage.ssd.safefile import CREATE_FLAGS, BadCacheFileError, read_small
+
 log = logging.getLogger("pagedkv.storage.ssd")
 
 SEED_NAME = "seed"
+MAX_SEED_BYTES = 4096  # pagedkv writes 16 bytes
 
 
 def read_seed(directory: Path) -> bytes | None:
-    """The stored seed, or None when there is none (yet)."""
+    """The stored seed, or None when there is none (yet). Raises BadCacheFileError
+    when `seed` is a link, a FIFO, not a regular file or over `MAX_SEED_BYTES`."""
     try:
-        data = (directory / SEED_NAME).read_bytes()
+        data = read_small(directory / SEED_NAME, MAX_SEED_BYTES)
     except FileNotFoundError:
         return None
     return data or None
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, CREATE_FLAGS, 0o600)
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
         os.write(fd, data)
@@ -44,12 +48,17 @@ def _write_private(path: Path, data: bytes) -> None:
 def read_or_create_seed(directory: Path, candidate: bytes) -> bytes:
     """The directory's seed; stores `candidate` when there is none.
 
-    A directory that cannot be written returns `candidate` unsaved (with a
-    warning): hashes are then stable only for this process.
+    A directory that cannot be written, or whose `seed` is not a file pagedkv
+    wrote (`ssd_safefile`), returns `candidate` unsaved (with a warning): hashes
+    are then stable only for this process.
     """
     if not candidate:
         raise ValueError("the hashing seed must be at least one byte")
-    stored = read_seed(directory)
+    try:
+        stored = read_seed(directory)
+    except BadCacheFileError as exc:
+        log.warning("%s; cached blocks will not be found by later processes", exc)
+        return candidate
     if stored is not None:
         return stored
     path = directory / SEED_NAME
@@ -65,7 +74,7 @@ def read_or_create_seed(directory: Path, candidate: bytes) -> bytes:
             with contextlib.suppress(FileExistsError):
                 _write_private(path, candidate)
         with contextlib.suppress(OSError):  # make the new name itself durable
-            dir_fd = os.open(directory, os.O_RDONLY)
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 os.fsync(dir_fd)
             finally:
@@ -82,7 +91,8 @@ def read_or_create_seed(directory: Path, candidate: bytes) -> bytes:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
     for _ in range(100):  # the fallback's winner may still be writing
-        stored = read_seed(directory)
+        with contextlib.suppress(BadCacheFileError):
+            stored = read_seed(directory)
         if stored is not None:
             return stored
         time.sleep(0.01)

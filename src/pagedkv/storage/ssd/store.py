@@ -60,13 +60,16 @@ from pagedkv.storage.ssd.maintenance import (
     DirectoryStats,
     cache_stats,
     check_cache,
+    check_index_files,
     clear_cache,
     clear_tree,
     reconcile,
     unlink_quiet,
 )
+from pagedkv.storage.ssd.namespaces import NamespaceInfo, record_namespace
 from pagedkv.storage.ssd.ownership import check_directory, make_private_dir
 from pagedkv.storage.ssd.reader import BlockReader, ReadBatch, ReadPath, ReadPathChooser
+from pagedkv.storage.ssd.safefile import BadCacheFileError
 from pagedkv.storage.ssd.seed import read_or_create_seed, read_seed
 from pagedkv.storage.ssd.versions import block_path, version_tree
 from pagedkv.storage.ssd.writer import BlockWriter, Counters
@@ -109,6 +112,7 @@ class SSDStore(KVTier):
         fsync: bool = False,
         secret: CacheSecret | None = None,
         read_path: ReadPath | None = None,
+        description: NamespaceInfo | None = None,
     ) -> None:
         if capacity_bytes < 0 or (namespace_quota_bytes is not None and namespace_quota_bytes < 0):
             raise ValueError("SSD capacity and quota must be >= 0 bytes")
@@ -122,6 +126,7 @@ class SSDStore(KVTier):
         self.put_wait_s = float(put_wait_s)
         self.fsync = fsync
         self.read_path = read_path  # None: measured (`ssd_reader`)
+        self.description = description  # recorded for `cache stats` (`ssd_namespaces`)
         self.startup_report: CheckReport | None = None
         self._counters = Counters(self.name, self.capacity_bytes)
         self._seed_warned = False
@@ -130,8 +135,9 @@ class SSDStore(KVTier):
         check_directory(self.directory)  # raises UnsafeCacheDirectoryError: no fallback
         try:
             make_private_dir(version_tree(self.directory))
+            check_index_files(self.directory)
             self._index = SSDIndex(self.directory / INDEX_NAME)
-        except (OSError, sqlite3.Error) as exc:
+        except (OSError, sqlite3.Error, BadCacheFileError) as exc:
             open_error = exc
             self._index = self._open_read_only()
         self._start_threads()
@@ -141,11 +147,12 @@ class SSDStore(KVTier):
             self._startup()
 
     def _open_read_only(self) -> SSDIndex:
-        if (self.directory / INDEX_NAME).is_file():
-            try:
+        try:
+            check_index_files(self.directory)
+            if (self.directory / INDEX_NAME).is_file():
                 return SSDIndex(self.directory / INDEX_NAME, read_only=True)
-            except sqlite3.Error as exc:
-                log.warning("SSD cache index in %s cannot be read (%s)", self.directory, exc)
+        except (sqlite3.Error, BadCacheFileError) as exc:
+            log.warning("SSD cache index in %s cannot be read (%s)", self.directory, exc)
         return SSDIndex(Path(":memory:"))  # nothing stored and nowhere to write: all misses
 
     def _start_threads(self) -> None:
@@ -176,6 +183,8 @@ class SSDStore(KVTier):
             self._writer.disable(exc)
             return
         self.startup_report = report
+        if self.description is not None:
+            record_namespace(self.directory, self.namespace, self.description)
         self._counters.add("reindexed", report.reindexed)
         self._counters.add("temp_files_removed", len(report.temp_files))
         if report.problems:
@@ -464,7 +473,13 @@ class SSDStore(KVTier):
 
     def check_seed(self, seed: bytes) -> bool:
         """True (and one warning per store) when the seed file holds another seed."""
-        stored = read_seed(self.directory)
+        try:
+            stored = read_seed(self.directory)
+        except BadCacheFileError as exc:
+            if not self._seed_warned:
+                self._seed_warned = True
+                log.warning("%s; the seed in use is not kept", exc)
+            return False
         if stored is None or stored == seed:
             return False
         if not self._seed_warned:

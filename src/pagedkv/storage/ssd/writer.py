@@ -43,6 +43,7 @@ from pagedkv.storage.ssd.format import encode_file, file_size
 from pagedkv.storage.ssd.index import SSDIndex
 from pagedkv.storage.ssd.maintenance import unlink_quiet
 from pagedkv.storage.ssd.ownership import WriterLock, make_private_dir, write_temp
+from pagedkv.storage.ssd.safefile import MAX_BLOCK_FILE_BYTES
 from pagedkv.storage.ssd.versions import block_path
 
 log = logging.getLogger("pagedkv.storage.ssd")
@@ -293,7 +294,8 @@ class BlockWriter:
             checksum = block_checksum(block)
             prefix, buffers = encode_file(block, checksum, self.secret)
             size = file_size(prefix, buffers)
-            if size > self.capacity_bytes or size > (self.quota_bytes or size):
+            too_big = size > MAX_BLOCK_FILE_BYTES  # readers would take it for junk
+            if too_big or size > self.capacity_bytes or size > (self.quota_bytes or size):
                 self.counters.add("writes_dropped")
                 continue
             todo.append((block.meta, checksum, prefix, buffers, size))
