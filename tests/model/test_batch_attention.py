@@ -77,8 +77,8 @@ def test_deterministic_batches_and_long_rows_attend_one_by_one(
     calls = _grouped_calls(monkeypatch)
     chunks = _decoding(llama, [9, 17, 30])
     pad = DeterministicRows(linear_layers(llama.model))
-    alone = [llama.forward_batch([c], pad) for c in chunks]
-    together = llama.forward_batch(chunks, pad)
+    alone = [llama.forward_batch([c], pad, group_decode=False) for c in chunks]
+    together = llama.forward_batch(chunks, pad, group_decode=False)
     assert calls[0] == 0
     assert torch.equal(together, torch.cat(alone))  # each row as it is alone, bit for bit
 

@@ -131,9 +131,9 @@ class Engine:
         )
         # The first forward in a thread is slow: pay it here, not in the first request.
         adapter.warmup()
-        if self.scheduling.deterministic and adapter.batched:
+        if adapter.batched:  # prompt steps are padded always, every step if deterministic
             self._worker.rows = DeterministicRows(linear_layers(adapter.model))
-            log.info("deterministic batches: row counts %s", self._worker.rows.stable)
+            log.info("padded batches: row counts %s", self._worker.rows.stable)
 
     def _build_prefix_cache(self) -> PrefixCache | None:
         adapter, config = self.adapter, self.config

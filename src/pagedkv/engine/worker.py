@@ -62,6 +62,11 @@ class Worker:
         self.prefix = prefix
         self.scheduler = scheduler
         self.on_request_done = on_request_done
+        # The row counts the linear layers round alike at (measured at start-up for a
+        # batched model). A step that computes prompt rows is always padded to one: a
+        # prompt's last token alone after a cached prefix must round as it did inside
+        # the whole prompt. Decode-only steps are padded under deterministic batching
+        # only: a request alone decodes one row at a time, cached or not.
         self.rows: DeterministicRows | None = None
         self.preemptions = 0
         self.cache_errors = 0
@@ -319,8 +324,13 @@ class Worker:
                 assert seq.kv is not None
                 ids = seq.tokens[seq.num_computed : seq.num_computed + n]
                 last = seq.num_computed + n == len(seq.tokens)
-                chunks.append(SeqChunk(seq.kv, seq.num_computed, ids, last))
-            logits = self.adapter.forward_batch(chunks, self.rows)
+                prompt = seq.num_computed < seq.num_prompt_tokens
+                chunks.append(SeqChunk(seq.kv, seq.num_computed, ids, last, prompt))
+            deterministic = self.scheduler.config.deterministic
+            pad = deterministic or any(c.is_prompt for c in chunks)
+            logits = self.adapter.forward_batch(
+                chunks, self.rows if pad else None, group_decode=not deterministic
+            )
             for seq, n in work:
                 seq.num_computed += n
             return list(zip(wanted, logits, strict=True))

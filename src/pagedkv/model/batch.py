@@ -16,14 +16,29 @@ step; and attention over the RAM tier's paged blocks, which on CPU means
 gathering the blocks into a contiguous run at every step (a copy of the whole
 context per token) for want of a paged kernel.
 
-Exactness: a query row's attention runs over the same keys, in the same
-order, whatever the chunk it arrived in and whatever else is in the batch, so
-a sequence's KV does not depend on how its prefill was cut. Keys are always
-passed from a position that is a multiple of `_KEY_ALIGN` (0 for full
-attention), so the kernel's key blocks fall on the same absolute positions
-whatever the chunking. The linear layers are another matter: a row may
-depend on the number of rows for a few small counts (one row alone, over the
-packed layers of `model/linear.py`; see `DeterministicRows`).
+Exactness: a prompt row's attention must come out bit-identical whatever
+chunk it arrived in (the whole prompt, a 512-token chunk, or the one-token
+suffix after a cached prefix), or a cached answer differs from a fresh one;
+in bfloat16 one differing bit grows into another token within a few dozen
+(issue 29, item 13). The CPU flash-attention kernel does not give that by
+itself: it cuts the keys into blocks of min(512, number of keys) and the
+queries into blocks of 32, 64 or 256 rows, and a row's sums change with the
+key block's width and when its query block has 1-3 rows (measured: most
+(start, length) chunks of a 150-token prompt differ from the whole prompt's
+rows, in float32, float16 and bfloat16). So every prompt chunk is attended
+in one shape family (`_Span.prompt`): keys passed from a multiple of
+`_KEY_ALIGN` (0 for full attention) and padded with zeros to a multiple of
+`_KEY_BLOCK`, so every key block is 512 wide and at the same absolute
+position; an explicit mask (never `is_causal`, which cuts the last block at
+the diagonal); query rows padded to a multiple of `_QUERY_ROWS`, so no query
+block has 1-3 rows. Measured: every chunk of 1-200 rows of a 300- and a
+1100-token prompt then matches the whole prompt's rows bit for bit, in all
+three dtypes. Decode rows keep their faster paths (a request's decode steps
+are decode rows whether its prompt was cached or not). The linear layers are
+the other half: a row may depend on the number of rows for a few small
+counts (one row alone, over the packed layers of `model/linear.py`); a step
+that computes prompt rows is padded to a count that rounds like all the
+others (`DeterministicRows`, applied by the worker).
 """
 
 from __future__ import annotations
@@ -41,6 +56,12 @@ ATTENTION_NAME = "pagedkv_ragged"
 # Multiple of the CPU flash-attention kernel's key block (512), so a sliding window's
 # first key block starts at the same absolute position however a prefill was chunked.
 _KEY_ALIGN = 2048
+# The CPU flash-attention kernel's key block; a prompt chunk's keys are padded to a
+# multiple of it, so the kernel never takes a narrower block (which sums otherwise).
+_KEY_BLOCK = 512
+# A prompt chunk's query rows are padded to a multiple of this: the kernel's query
+# blocks (32, 64 or 256 rows) then never end in 1-3 rows, which sum otherwise.
+_QUERY_ROWS = 4
 # Decode rows with at most this many keys each are attended in one call per layer,
 # when the padded copy of one layer's keys and values fits in this many bytes (the
 # bundled model's 16 rows at 1K keys take 24 MiB; a wide model's copy counts against
@@ -61,22 +82,33 @@ class SeqChunk:
     start: int
     token_ids: Sequence[int]
     want_logits: bool
+    # A one-token chunk is a decode step unless `prompt`: the last token of a prompt
+    # whose rest was cached must round as it would inside the whole prompt.
+    prompt: bool = False
+
+    @property
+    def is_prompt(self) -> bool:
+        return self.prompt or len(self.token_ids) > 1
 
 
 @dataclass(slots=True)
 class _Span:
     """One chunk as attention sees it: rows `[first, first + n)` of the batch, keys
-    `[low, end)` of its buffer, and the mask (None: all of them, or causal). The
-    views have a leading layer axis, so a layer takes its own with one index."""
+    `[low, end)` of its buffer, and the mask (None: all of them). The views have a
+    leading layer axis, so a layer takes its own with one index. A prompt chunk
+    (`rows` not None) is attended in the fixed shape family of the module docstring:
+    queries `rows` (the chunk's rows, the last repeated up to a multiple of
+    `_QUERY_ROWS`), keys padded to `padded_keys`, `mask` `[len(rows), padded_keys]`."""
 
     first: int
     n: int
     low: int
     mask: torch.Tensor | None
-    causal: bool
     new: torch.Tensor  # [L, 2, H, n, D]: where the chunk's keys and values go
     keys: torch.Tensor  # [L, 1, H, end - low, D]
     values: torch.Tensor
+    rows: torch.Tensor | None = None
+    padded_keys: int = 0
 
 
 @dataclass(slots=True)
@@ -117,7 +149,7 @@ class RaggedPlan:
         if window in self._groups:
             return self._groups[window]
         group = None
-        decode = [s for s in spans if s.n == 1 and s.mask is None]
+        decode = [s for s in spans if s.rows is None and s.mask is None]
         if self.group_decode and len(decode) >= 2:
             lengths = [s.keys.shape[3] for s in decode]
             longest = max(lengths)
@@ -148,7 +180,8 @@ def _span(
     chunk: SeqChunk, first: int, window: int | None, device: torch.device, align: bool
 ) -> _Span:
     """Queries at positions `start + i` see keys `[0, start + i]`, and with `window` only
-    the last `window` of them."""
+    the last `window` of them. `align`: the ragged batch's spans (prompt chunks in the
+    fixed shape family); False for a plain forward over a transformers cache."""
     n = len(chunk.token_ids)
     start, end = chunk.start, chunk.start + n
     low = 0
@@ -156,28 +189,26 @@ def _span(
         low = max(0, start - window + 1)
         if align:
             low -= low % _KEY_ALIGN
-    mask: torch.Tensor | None = None
-    causal = False
-    if n > 1 or (window is not None and start - low >= window):
-        if start == 0 and low == 0 and window is None:
-            causal = True
-        else:
-            pos = torch.arange(start, end, device=device).unsqueeze(1)
-            kpos = torch.arange(low, end, device=device).unsqueeze(0)
-            mask = kpos <= pos
-            if window is not None:
-                mask &= kpos > pos - window
     kv = chunk.kv
-    return _Span(
-        first,
-        n,
-        low,
-        mask,
-        causal,
-        kv[:, :, :, start:end],
-        kv[:, 0:1, :, low:end],
-        kv[:, 1:2, :, low:end],
-    )
+    views = (kv[:, :, :, start:end], kv[:, 0:1, :, low:end], kv[:, 1:2, :, low:end])
+    if align and chunk.is_prompt:
+        padded = -(-(end - low) // _KEY_BLOCK) * _KEY_BLOCK
+        num_rows = -(-n // _QUERY_ROWS) * _QUERY_ROWS
+        rows = torch.arange(num_rows, device=device).clamp_(max=n - 1)
+        pos = (start + rows).unsqueeze(1)
+        kpos = torch.arange(low, low + padded, device=device).unsqueeze(0)
+        seen = kpos <= pos  # also hides the padding keys, all past the chunk's end
+        if window is not None:
+            seen &= kpos > pos - window
+        return _Span(first, n, low, seen, *views, rows=first + rows, padded_keys=padded)
+    mask: torch.Tensor | None = None
+    if n > 1 or (window is not None and start - low >= window):
+        pos = torch.arange(start, end, device=device).unsqueeze(1)
+        kpos = torch.arange(low, end, device=device).unsqueeze(0)
+        mask = kpos <= pos
+        if window is not None:
+            mask &= kpos > pos - window
+    return _Span(first, n, low, mask, *views)
 
 
 def ragged_attention(
@@ -208,7 +239,7 @@ def ragged_attention(
         chunk = SeqChunk(key.transpose(0, 1).unsqueeze(0), start, range(n), False)
         s = _span(chunk, 0, window, query.device, align=False)
         o = sdpa(query, key[:, :, s.low :], value[:, :, s.low :], attn_mask=s.mask,
-                 is_causal=s.causal, scale=scaling, enable_gqa=gqa)  # fmt: skip
+                 scale=scaling, enable_gqa=gqa)  # fmt: skip
         return o.transpose(1, 2).contiguous(), None
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     fmt = pagedkv_plan.kv_format
@@ -225,22 +256,28 @@ def ragged_attention(
             # fresh path sees the same rounded values a restored prefix brings.
             assert fmt is not None
             fmt.write(s.new[layer], new)
-        if together is not None and s.n == 1 and s.mask is None:
+        decode_row = s.rows is None and s.mask is None
+        if together is not None and decode_row:
             continue  # attended below, with the other decode rows
         keys, values = s.keys[layer], s.values[layer]
         if not plain:
             assert fmt is not None
             keys, values = fmt.read(keys, query.dtype), fmt.read(values, query.dtype)
         q = query[:, :, rows]
-        if s.n == 1 and s.mask is None:
+        if s.rows is not None:  # a prompt chunk, in the fixed shape family
+            pad = (0, 0, 0, s.padded_keys - keys.shape[2])
+            keys = torch.nn.functional.pad(keys, pad)
+            values = torch.nn.functional.pad(values, pad)
+            o = sdpa(query.index_select(2, s.rows), keys, values, attn_mask=s.mask,
+                     scale=scaling, enable_gqa=gqa)[:, :, : s.n]  # fmt: skip
+        elif decode_row:
             # A decode row: the query heads sharing a KV head become rows of that head,
             # the same sums as `enable_gqa`, which measured up to 1.5x slower per step
             # (8 sequences at 1K context).
             grouped = q.reshape(1, kv_heads, -1, head_dim)
             o = sdpa(grouped, keys, values, scale=scaling).reshape(q.shape)
         else:
-            o = sdpa(q, keys, values, attn_mask=s.mask, is_causal=s.causal, scale=scaling,
-                     enable_gqa=gqa)  # fmt: skip
+            o = sdpa(q, keys, values, attn_mask=s.mask, scale=scaling, enable_gqa=gqa)
         out[:, :, rows] = o
     if together is not None:
         _attend_together(together, layer, query, out, fmt if not plain else None, scaling)
@@ -296,11 +333,13 @@ def plan_batch(
     pad_rows: Callable[[int], int] | None = None,
     device: Any = "cpu",
     kv_format: KVFormat | None = None,
+    group_decode: bool = True,
 ) -> tuple[RaggedPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plan, input ids `[1, rows]`, position ids `[1, rows]` and the rows whose
     logits are wanted, in chunk order. `pad_rows(n)` (see `DeterministicRows`) gives
     how many rows to run for n real ones, and how many logit rows for n wanted:
-    padding rows hold token 0 and attend to nothing; padding logit rows repeat one."""
+    padding rows hold token 0 and attend to nothing; padding logit rows repeat one.
+    `group_decode`: see `RaggedPlan`."""
     offsets: list[int] = []
     ids: list[int] = []
     positions: list[int] = []
@@ -320,7 +359,7 @@ def plan_batch(
         positions.extend([0] * pad)
         if keep:
             keep.extend([keep[-1]] * (pad_rows(len(keep)) - len(keep)))
-    plan = RaggedPlan(chunks, offsets, row, kv_format, group_decode=pad_rows is None)
+    plan = RaggedPlan(chunks, offsets, row, kv_format, group_decode=group_decode)
     ids_t = torch.tensor([ids], dtype=torch.long, device=device)
     positions_t = torch.tensor([positions], dtype=torch.long, device=device)
     return plan, ids_t, positions_t, torch.tensor(keep, dtype=torch.long, device=device)
@@ -340,6 +379,14 @@ class DeterministicRows:
     are measured here, on the model's own weight shapes, once at start-up;
     counts above `probe_rows` are taken as stable (prefills of hundreds of rows
     are).
+
+    A float layer is probed through a twin of its shape, dtype and kernel whose
+    weights are all ones, fed rows of large values that cancel among small ones:
+    its sums then change with the order they are added in. The layer itself, fed
+    random rows, hides that order in 16-bit dtypes (a sum summed otherwise
+    rounds to the same bfloat16 but about once in 30,000 outputs), and measured
+    packed bfloat16 rows stable at one row where the bundled model's down-proj
+    was not (issue 29, item 13).
     """
 
     def __init__(self, layers: Sequence[torch.nn.Module], probe_rows: int = 32) -> None:
@@ -347,14 +394,11 @@ class DeterministicRows:
         stable = set(range(1, probe_rows + 1))
         gen = torch.Generator().manual_seed(0)
         for layer in layers:
-            weight = layer.weight
-            assert isinstance(weight, torch.Tensor)
-            dtype = weight.dtype if weight.is_floating_point() else torch.float32  # int8 codes
-            x = torch.randn(2 * probe_rows, weight.shape[1], generator=gen).to(dtype)
+            probe, x = _probe(layer, 2 * probe_rows, gen)
             with torch.inference_mode():
-                want = layer(x)
+                want = probe(x)
                 for rows in list(stable):
-                    if not torch.equal(layer(x[:rows]), want[:rows]):
+                    if not torch.equal(probe(x[:rows]), want[:rows]):
                         stable.discard(rows)
         self.stable = sorted(stable)
 
@@ -363,6 +407,35 @@ class DeterministicRows:
         if rows > self.probe_rows:
             return rows
         return next((s for s in self.stable if s >= rows), self.probe_rows + 1)
+
+
+def _probe(
+    layer: torch.nn.Module, rows: int, gen: torch.Generator
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """What to probe `layer`'s row counts through, and its `[rows, in]` input: for a
+    float layer, its all-ones twin (see `DeterministicRows`) and rows where values of
+    +-2^20 (+-2^40 in float32), which cancel in pairs, sit among small ones; for
+    int8 codes, the layer and random rows."""
+    from pagedkv.model.linear import PackedLinear, pack_linear
+
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor) and isinstance(layer, torch.nn.Linear)
+    if not weight.is_floating_point():  # int8 codes: exact integer sums
+        return layer, torch.randn(rows, layer.in_features, generator=gen)
+    dtype = weight.dtype
+    twin = torch.nn.Linear(layer.in_features, layer.out_features, bias=False, dtype=dtype)
+    torch.nn.init.ones_(twin.weight)
+    twin.requires_grad_(False)
+    if isinstance(layer, PackedLinear):
+        pack_linear(twin)
+    x = torch.randn(rows, layer.in_features, generator=gen)
+    big = 2.0**40 if dtype == torch.float32 else 2.0**20
+    for row in x:
+        where = torch.randperm(layer.in_features, generator=gen)[: layer.in_features // 4]
+        half = len(where) // 2
+        row[where[:half]] = big
+        row[where[half : 2 * half]] = -big
+    return twin, x.to(dtype)
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -74,15 +74,22 @@ def pack_linears(model: torch.nn.Module) -> int:
     for module in list(model.modules()):
         if type(module) is not torch.nn.Linear:
             continue
-        weight = module.weight.detach()
+        weight = module.weight
         if weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
-        del module.weight  # unties an output layer that shared the embedding's weight
-        packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
-        module.register_buffer("weight", packed_weight)
-        module.__class__ = PackedLinear
+        pack_linear(module)
         packed += 1
     return packed
+
+
+def pack_linear(module: torch.nn.Linear) -> None:
+    """Make `module` a `PackedLinear` in place (its weight: a CPU float32 or bfloat16
+    tensor, with oneDNN available)."""
+    weight = module.weight.detach()
+    del module.weight  # unties an output layer that shared the embedding's weight
+    packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
+    module.register_buffer("weight", packed_weight)
+    module.__class__ = PackedLinear
 
 
 class _InputCodes:
