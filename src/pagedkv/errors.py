@@ -57,5 +57,18 @@ class RequestTooLargeError(PagedKVError, ValueError):
         )
 
 
+class PromptTooLongError(PagedKVError, ValueError):
+    """A prompt longer than a limit in tokens, found before tokenizing it: it has more
+    characters than that many tokens can cover (`model/token_bound.py`)."""
+
+    def __init__(self, num_chars: int, at_least: int, limit: int) -> None:
+        self.at_least = at_least
+        self.limit = limit
+        super().__init__(
+            f"the prompt has {num_chars} characters, at least {at_least} tokens, but the "
+            f"model's context is {limit} tokens; shorten the prompt"
+        )
+
+
 class EngineClosedError(PagedKVError):
     """The engine was closed (or is shutting down) and takes no more requests."""

@@ -70,8 +70,8 @@ class FakeEngine:
 
     # -- tokenizer ----------------------------------------------------------
 
-    def tokenize(self, text: str) -> list[int]:
-        return [b + 1 for b in text.encode()]
+    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
+        return [b + 1 for b in text.encode()]  # one token a byte: never refused early
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = bytes(t - 1 for t in ids if 0 < t <= 256).decode(errors="replace")
@@ -89,6 +89,7 @@ class FakeEngine:
         tools: Sequence[dict[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
     ) -> list[int]:
         text = "".join(f"<tools>{json.dumps(list(tools))}\n" if tools else "")
         for m in messages:

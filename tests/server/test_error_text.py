@@ -36,17 +36,20 @@ class Raising(FakeEngine):
         self.error = error
         self.where = where
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
         if self.where == "tokenize":
             raise self.error
         return super().tokenize(text)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> list[int]:
         if self.where == "template":
             raise self.error
-        return super().apply_chat_template(messages, tools)
+        return super().apply_chat_template(messages, tools, **kwargs)
 
     def stream(
         self, prompt: Any, params: Any = None, *, cache_salt: Any = None, owner: Any = None

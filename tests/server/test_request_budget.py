@@ -45,7 +45,10 @@ class GatedTemplate(FakeEngine):
         self.rendering = 0
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> list[int]:
         if any("heavy" in m["content"] for m in messages):
             with self.lock:
@@ -55,7 +58,7 @@ class GatedTemplate(FakeEngine):
             finally:
                 with self.lock:
                     self.rendering -= 1
-        return super().apply_chat_template(messages, tools)
+        return super().apply_chat_template(messages, tools, **kwargs)
 
     def explain(self, prompt: Sequence[int], *, cache_salt: str | None = None) -> Any:
         raise AssertionError("explain reached the engine with a prompt past the context")
@@ -290,7 +293,10 @@ class DeepFailure(FakeEngine):
         self.error = error
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> list[int]:
         def down(n: int) -> list[int]:
             if n == 0:
@@ -322,3 +328,21 @@ def test_a_recursion_error_anywhere_is_a_400_and_a_500_s_traceback_is_cut(
     text = errors[0].getMessage()
     assert "characters of traceback cut" in text and "RuntimeError: deep failure" in text
     assert len(text) < MAX_TRACE_CHARS + 500
+
+
+def test_a_schema_too_big_to_compile_is_refused_before_it_is_compiled() -> None:
+    """A 1.4 MB response_format schema took seconds of CPU to compile, outside every
+    queue; past MAX_SCHEMA_CHARS it is a 400, for response_format and for the tools a
+    required tool call is generated under."""
+    from pagedkv.engine.grammar import MAX_SCHEMA_CHARS
+
+    client = TestClient(create_app(FakeEngine()))
+    huge = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(8000)}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": huge}}
+    r = client.post("/v1/chat/completions", json={**MESSAGES, "response_format": fmt})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema"
+    assert str(MAX_SCHEMA_CHARS) in r.json()["error"]["message"]
+    small = {"type": "object", "properties": {"k": {"type": "string"}}}
+    ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": small}}
+    assert client.post("/v1/chat/completions", json={**MESSAGES, "response_format": ok}).is_success

@@ -73,7 +73,7 @@ def test_a_closed_engine_and_a_closing_server_answer_503() -> None:
 
 def test_a_bug_becomes_a_json_500_and_an_error_mid_stream_ends_the_stream() -> None:
     class Broken(FakeEngine):
-        def tokenize(self, text: str) -> list[int]:
+        def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
             raise RuntimeError("tokenizer bug")
 
     r = make_client(Broken()).post("/v1/completions", json={"prompt": "x"})

@@ -112,7 +112,7 @@ class GatedEngine(FakeEngine):
         self.gate = threading.Event()
         self.entered = threading.Event()
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
         self.entered.set()
         assert self.gate.wait(10)
         return super().tokenize(text)

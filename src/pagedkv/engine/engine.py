@@ -199,8 +199,10 @@ class Engine:
         pieces = self.adapter.tokenizer.convert_ids_to_tokens(list(token_ids))
         return ["" if p is None else str(p) for p in pieces]
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.adapter.encode(text)
+    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text`; with `max_tokens`, a text with more characters than that
+        many tokens can cover raises PromptTooLongError before it is tokenized."""
+        return self.adapter.encode(text, max_tokens)
 
     def apply_chat_template(
         self,
@@ -208,11 +210,16 @@ class Engine:
         tools: Sequence[dict[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
     ) -> list[int]:
         """Token ids of a conversation; `tools` (OpenAI function definitions) are passed
         to the template, which decides how the model sees them. Without the generation
-        prompt the ids end with the last message (`POST /tokenize` can ask for that)."""
-        extra: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
+        prompt the ids end with the last message (`POST /tokenize` can ask for that).
+        `max_tokens`: as for `tokenize`, on the rendered text."""
+        extra: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt,
+            "max_tokens": max_tokens,
+        }
         if tools:
             extra["tools"] = list(tools)
         return self.adapter.apply_chat_template(list(messages), **extra)

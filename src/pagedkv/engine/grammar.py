@@ -46,6 +46,22 @@ class GrammarError(ValueError):
     """A response format that cannot be compiled; the message names the problem."""
 
 
+# Compiling costs time in proportion to the schema, before the request's first token
+# and outside the engine's queue (the hostile soak's 1.4 MB schema took seconds each,
+# and tripled other keys' latency). OpenAI's structured outputs take at most 120,000
+# characters of names and values; this bounds the whole schema's JSON a little above.
+MAX_SCHEMA_CHARS = 131_072
+
+
+def check_schema_size(text: str, what: str) -> None:
+    """Refuse a schema whose JSON text is longer than MAX_SCHEMA_CHARS."""
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise GrammarError(
+            f"{what} is {len(text)} characters of JSON; this server compiles at most "
+            f"{MAX_SCHEMA_CHARS}: send a smaller schema"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
     """What the output must match: `grammar` is llguidance's grammar text, built by
@@ -63,10 +79,10 @@ class ResponseFormat:
     def json_schema(cls, schema: Any, what: str = "the JSON schema") -> ResponseFormat:
         if not isinstance(schema, dict | bool):
             raise GrammarError(f"{what} must be a JSON object, got {type(schema).__name__}")
+        text = json.dumps(schema)
+        check_schema_size(text, what)
         try:
-            grammar = _llguidance().LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), defaults=JSON_OPTIONS
-            )
+            grammar = _llguidance().LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"{what} cannot be compiled: {exc}") from exc
         return cls._checked(grammar, what)

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pagedkv.config import DTYPES
-from pagedkv.errors import ModelNotSupportedError
+from pagedkv.errors import ModelNotSupportedError, PromptTooLongError
 from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME
 from pagedkv.model.fingerprint import config_identity, weights_digest
@@ -37,6 +37,7 @@ from pagedkv.model.kv_layer import GrowableLayer
 from pagedkv.model.linear import INT8_KERNEL, KERNEL, pack_linears, quantize_linears
 from pagedkv.model.resolve import resolve_model
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
+from pagedkv.model.token_bound import fewest_tokens, max_chars_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ class ModelAdapter:
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        # The most input characters one token covers, where provable (None: unknown).
+        self.max_token_chars = max_chars_per_token(tokenizer)
         self.name = name
         self.model_dir = model_dir
         param = next(model.parameters())
@@ -402,30 +405,45 @@ class ModelAdapter:
 
     # ---- text -----------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
         """Token ids of plain text, with the special tokens the tokenizer adds by default
-        (a BOS for Llama-style tokenizers, nothing for ChatML-style ones)."""
+        (a BOS for Llama-style tokenizers, nothing for ChatML-style ones). A text that
+        cannot fit `max_tokens` tokens is refused before it is tokenized."""
+        self.check_length(text, max_tokens)
         return list(self.tokenizer.encode(text))
+
+    def check_length(self, text: str, max_tokens: int | None) -> None:
+        """Raise PromptTooLongError when `text` is more characters than `max_tokens`
+        tokens can cover (never where the tokenizer gives no bound)."""
+        per_token = self.max_token_chars
+        if max_tokens is None or per_token is None or len(text) <= max_tokens * per_token:
+            return
+        raise PromptTooLongError(len(text), fewest_tokens(len(text), per_token), max_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
+        **kwargs: Any,
     ) -> list[int]:
         """Token ids of a conversation in the model's chat template, generation prompt
-        added unless asked not to."""
+        added unless asked not to; refused before tokenizing when the rendered text
+        cannot fit `max_tokens` tokens."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ModelNotSupportedError(
                 f"model {self.name} has no chat template; send plain text prompts instead"
             )
-        ids = self.tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-            **kwargs,
+        # Rendered, then tokenized as apply_chat_template(tokenize=True) does (no added
+        # special tokens: the template wrote them), so a text too long is refused first.
+        text = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
+        self.check_length(text, max_tokens)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids]
 
     def __repr__(self) -> str:

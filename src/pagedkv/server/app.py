@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.engine.request import StreamEvent
+from pagedkv.errors import PromptTooLongError
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
@@ -318,7 +319,7 @@ def create_app(
         with held.released_on_error():
             if isinstance(prompt, str):
                 ids = await _blocking(
-                    engine.tokenize,
+                    functools.partial(engine.tokenize, max_tokens=engine.max_context),
                     prompt,
                     what="the tokenizer",
                     pool=state.render,
@@ -363,7 +364,9 @@ def create_app(
         Callers hold the key's share (`admit`)."""
         mode = tool_mode(body, state.tools)
         messages = chat_messages(body)
-        render = functools.partial(engine.apply_chat_template, tools=template_tools(body))
+        render = functools.partial(
+            engine.apply_chat_template, tools=template_tools(body), max_tokens=engine.max_context
+        )
         ids = await _blocking(
             render, messages, what="the chat template", pool=state.render, owner=tenant.salt
         )
@@ -456,6 +459,8 @@ async def _blocking(
     name internals and go to the log."""
     try:
         return list(await pool.run(owner, fn, arg))
+    except PromptTooLongError as exc:  # our words: how long, and the context
+        raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from exc
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise hidden_error(400, f"{what} could not encode the input", exc) from exc
     except Exception as exc:

@@ -30,7 +30,7 @@ class EngineAPI(Protocol):
     @property
     def healthy(self) -> bool: ...
 
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str, max_tokens: int | None = None) -> list[int]: ...
 
     @property
     def chat_template(self) -> str | None: ...
@@ -47,6 +47,7 @@ class EngineAPI(Protocol):
         tools: Sequence[dict[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
     ) -> list[int]: ...
 
     def stream(

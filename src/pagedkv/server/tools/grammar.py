@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedkv.engine.grammar import ResponseFormat
+from pagedkv.engine.grammar import ResponseFormat, check_schema_size
 from pagedkv.server.tools.calls import ToolCallParser
 
 # A tool declared without parameters takes any JSON object.
@@ -39,15 +39,17 @@ def tool_call_format(
     pair for a named function), in `parser`'s format."""
     calls = [call_schema(name, params, parser.args_key) for name, params in tools]
     body = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    names = ", ".join(name for name, _ in tools)
+    body_json = json.dumps(body)
+    check_schema_size(body_json, f"the parameters of {names}")
     call = [_literal(parser.call_open), "body", _literal(parser.call_close)]
     lark = "\n".join(
         [
             "start: call" + (f" ({_literal(parser.call_separator)} call)*" if parallel else ""),
             "call: " + " ".join(part for part in call if part),
-            f"body: %json {json.dumps(body)}",
+            f"body: %json {body_json}",
         ]
     )
-    names = ", ".join(name for name, _ in tools)
     return ResponseFormat.lark(lark, f"the tool call grammar of {names}")
 
 
