@@ -346,3 +346,32 @@ def test_a_schema_too_big_to_compile_is_refused_before_it_is_compiled() -> None:
     small = {"type": "object", "properties": {"k": {"type": "string"}}}
     ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": small}}
     assert client.post("/v1/chat/completions", json={**MESSAGES, "response_format": ok}).is_success
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/chat/completions", {**MESSAGES, "reasoning_effort": "high"}, "reasoning_effort"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_json": {}}, "guided_json"),
+        ("/v1/messages", {**MESSAGES, "container": "c1"}, "container"),
+        ("/v1/messages/count_tokens", {**MESSAGES, "container": "c1"}, "container"),
+    ],
+)
+def test_a_field_the_server_cannot_honour_is_refused_not_ignored(
+    path: str, body: dict[str, Any], field: str
+) -> None:
+    client = TestClient(create_app(FakeEngine()))
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert field in r.text and "cannot use the field" in r.text
+    del body[field]
+    assert client.post(path, json=body).status_code == 200
+
+
+def test_extended_thinking_is_refused_and_disabled_thinking_honoured() -> None:
+    client = TestClient(create_app(FakeEngine()))
+    on = {**MESSAGES, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    r = client.post("/v1/messages", json=on)
+    assert r.status_code == 400 and "thinking" in r.text
+    off = {**MESSAGES, "thinking": {"type": "disabled"}}
+    assert client.post("/v1/messages", json=off).status_code == 200

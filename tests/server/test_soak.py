@@ -27,6 +27,7 @@ from pagedkv.server.app import create_app
 pytestmark = pytest.mark.slow
 
 REQUESTS = 300
+ANYIO_THREADS = 40  # AnyIO's default thread limiter: the most workers its pool keeps
 KV_BUDGET_TOKENS = 2000
 
 
@@ -127,7 +128,7 @@ def test_soak_leaves_nothing_held(served: tuple[str, Engine, list[Flaky]]) -> No
     assert engine.prefix is not None
     reads = engine.prefix.lower.tiers[0].read_threads  # type: ignore[attr-defined]
     started = sum(t.name.startswith("pagedkv-ssd-read") for t in threading.enumerate())
-    threads_before = threading.active_count() + reads - started
+    threads_before = _own_threads() + reads - started
     names_before = collections.Counter(t.name for t in threading.enumerate())
     with ThreadPoolExecutor(12) as pool:
         outcomes = list(pool.map(lambda i: _one(url, i), range(REQUESTS)))
@@ -151,15 +152,18 @@ def test_soak_leaves_nothing_held(served: tuple[str, Engine, list[Flaky]]) -> No
         body = {"prompt": "after the soak", "max_tokens": 5, "temperature": 0}
         assert http.post("/v1/completions", json=body).status_code == 200
         assert http.get("/health").status_code == 200
-    # AnyIO's idle workers do not leave by themselves: the next job sent to the pool
-    # stops those idle for 10 s or more. So wait past that, send one (/health runs in
-    # the pool), and give the stopped workers time to end.
-    time.sleep(10.5)
-    with httpx.Client(base_url=url, timeout=60) as http:
-        assert http.get("/health").status_code == 200
     deadline = time.monotonic() + 20
-    while threading.active_count() > threads_before and time.monotonic() < deadline:
+    while _own_threads() > threads_before and time.monotonic() < deadline:
         time.sleep(0.1)
     alive = collections.Counter(t.name for t in threading.enumerate())
-    assert threading.active_count() <= threads_before, f"new, still alive: {alive - names_before}"
+    assert _own_threads() <= threads_before, f"new, still alive: {alive - names_before}"
+    # AnyIO's pool keeps idle workers until a later job reaches it (a CI run saw one
+    # more alive than the baseline, after a 10 s wait for them): bounded, not leaked.
+    assert alive["AnyIO worker thread"] <= ANYIO_THREADS
     assert process.num_threads() < 200
+
+
+def _own_threads() -> int:
+    """Threads alive, AnyIO's pooled workers aside (their number is AnyIO's business:
+    an idle one leaves only when a later job reaches the pool)."""
+    return sum(t.name != "AnyIO worker thread" for t in threading.enumerate())

@@ -74,6 +74,7 @@ from pagedkv.server.tokenize import TokenizerContext, add_tokenizer_routes
 from pagedkv.server.tools import ToolSupport, tool_support
 from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import template_tools, tool_mode
+from pagedkv.server.unknown_fields import refuse_unknown_fields
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +314,7 @@ def create_app(
     async def completions(request: Request, body: CompletionRequest, tenant: TenantDep) -> Response:
         arrived = time.perf_counter()
         check_open(body.model)
+        refuse_unknown_fields(body, "/v1/completions", "an OpenAI completion body")
         check_supported(body)
         prompt = completion_prompt(body)
         held = admit(tenant, body.n)
@@ -336,6 +338,7 @@ def create_app(
     ) -> Response:
         arrived = time.perf_counter()
         check_open(body.model)
+        refuse_unknown_fields(body, "/v1/chat/completions", "an OpenAI chat completion body")
         check_supported(body)
         held = admit(tenant, body.n)
         with held.released_on_error():

@@ -64,7 +64,11 @@ class ResponseFormatIn(_Request):
 
 
 class _SamplingRequest(_Request):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. A top-level field not
+    defined here is kept (`extra="allow"`) only for the route to refuse it by name
+    (`unknown_fields.py`): a field the server cannot honour is refused, not ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)

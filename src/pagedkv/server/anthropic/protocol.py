@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.server.protocol import StopText, Text, _Request
 
@@ -47,7 +47,20 @@ class AnthropicToolChoice(_Request):
     disable_parallel_tool_use: bool = False
 
 
+class ThinkingConfig(_Request):
+    """Anthropic's extended-thinking switch. Only "disabled" can be honoured; "enabled"
+    is refused with a 400 by the route, never ignored."""
+
+    type: str
+    budget_tokens: int | None = None
+
+
 class CountTokensRequest(_Request):
+    """A top-level field not defined here is kept only for the route to refuse it by
+    name (`unknown_fields.py`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: Text | list[ContentBlock] | None = None
@@ -63,6 +76,9 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[StopText] | None = Field(None, max_length=16)
     stream: bool = False
     metadata: dict[str, Any] | None = None
+    thinking: ThinkingConfig | None = Field(
+        None, description="only {'type': 'disabled'}: extended thinking is not served"
+    )
     cache_salt: Text | None = Field(
         None,
         min_length=1,

@@ -27,16 +27,19 @@ from pagedkv.server.anthropic.protocol import (
     AnthropicErrorResponse,
     CountTokensRequest,
     MessagesRequest,
+    ThinkingConfig,
 )
 from pagedkv.server.anthropic.render import AnthropicReply, ReplyOptions
 from pagedkv.server.auth import Tenant
 from pagedkv.server.authn import TenantDep
 from pagedkv.server.explain import SectionMap
 from pagedkv.server.generation import Generation
+from pagedkv.server.http_errors import bad_request
 from pagedkv.server.limits import ShareHeld
 from pagedkv.server.protocol import ChatCompletionRequest
 from pagedkv.server.sections import PromptSection
 from pagedkv.server.tools.output import ToolMode
+from pagedkv.server.unknown_fields import refuse_unknown_fields
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": AnthropicErrorResponse} for status in (400, 401, 404, 413, 429, 503)
@@ -72,6 +75,8 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
     async def messages(request: Request, body: MessagesRequest, tenant: TenantDep) -> Response:
         arrived = time.perf_counter()
         ctx.check_open(body.model)
+        refuse_unknown_fields(body, "/v1/messages", "an Anthropic Messages body")
+        _check_thinking(body.thinking)
         held = ctx.admit(tenant, 1)
         with held.released_on_error():
             chat = to_chat_request(body)
@@ -97,6 +102,14 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
     @app.post("/v1/messages/count_tokens", tags=["anthropic"], responses=ERRORS)
     async def count_tokens(body: CountTokensRequest, tenant: TenantDep) -> Response:
         ctx.check_open(body.model)
+        # The same body as /v1/messages may be sent: its generation fields cannot
+        # change the count, so they are accepted; any other field is refused.
+        refuse_unknown_fields(
+            body,
+            "/v1/messages/count_tokens",
+            "an Anthropic count_tokens body",
+            allow=MessagesRequest.model_fields.keys(),
+        )
         ids, _ = await ctx.prompt_only(to_chat_request(body), tenant)
         return JSONResponse({"input_tokens": len(ids)})
 
@@ -115,3 +128,14 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
             return section_in_messages(section, origins, roles)
 
         return JSONResponse(await ctx.explain(chat, tenant, sections))
+
+
+def _check_thinking(thinking: ThinkingConfig | None) -> None:
+    """Refuse extended thinking, which no model served here is run with; "disabled" is
+    what every request gets, so it is honoured."""
+    if thinking is not None and thinking.type != "disabled":
+        raise bad_request(
+            f"thinking.type {thinking.type!r} is not supported: extended thinking is not "
+            "served; send {'type': 'disabled'} or leave thinking out",
+            "thinking",
+        )
