@@ -85,7 +85,11 @@ class Generation:
 
     @property
     def done(self) -> bool:
-        return len(self.results) == self.options.n
+        """Every sample finished, and none by being cancelled (a shutdown's cancel can end
+        the samples before the stream notices it is closing: that is no answer)."""
+        if len(self.results) != self.options.n:
+            return False
+        return all(r.finish_reason != "cancelled" for r in self.results.values())
 
     async def start(self, receive: Receive | None) -> None:
         self.metrics.in_flight.inc()
