@@ -1,10 +1,12 @@
-"""Admission across owners: when the head of the waiting queue cannot fit, other
-owners' sequences that fit start in turn, and the head starts once `max_head_bypass`
-have passed it. The scheduler is bookkeeping, so most of this runs without a model;
-the last test checks that `Engine.stream(owner=...)` reaches it."""
+"""Admission across owners: the owner running the fewest goes first; when its first
+waiting sequence cannot fit, other owners' sequences that fit start in turn, and it
+starts once `max_head_bypass` have passed it. Prefill tokens are shared between
+owners. The scheduler is bookkeeping, so most of this runs without a model; the last
+test checks that `Engine.stream(owner=...)` reaches it."""
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -62,7 +64,7 @@ def test_another_keys_small_request_starts_while_a_large_head_waits() -> None:
 
 def test_owners_take_turns_and_keep_their_own_order() -> None:
     sched = _scheduler(1000)
-    running = _seq("a", 596)
+    running = _seq("z", 596)
     sched.add(running)
     assert _admit_all(sched) == [running]
     head = _seq("a", 796)
@@ -83,7 +85,7 @@ def test_owners_take_turns_and_keep_their_own_order() -> None:
 
 def test_the_head_starts_once_max_head_bypass_sequences_passed_it() -> None:
     sched = _scheduler(1000, max_head_bypass=2)
-    running = _seq("a", 596)
+    running = _seq("z", 596)
     head = _seq("a", 796)
     others = [_seq(k, 46) for k in ("b", "c", "d", "e")]
     for seq in (running, head, *others):
@@ -102,6 +104,70 @@ def test_without_owners_or_with_no_bypass_admission_stays_in_arrival_order() -> 
         for seq in queue:
             sched.add(seq)
         assert _admit_all(sched) == queue[:1]  # the small one waits behind the head
+
+
+def test_the_key_running_fewest_takes_the_next_slot() -> None:
+    sched = _scheduler(10_000)
+    flood = [_seq("a", 46) for _ in range(10)]
+    for seq in flood:
+        sched.add(seq)
+    assert _admit_all(sched) == flood[:8]  # max_num_seqs: a alone takes every slot
+    late = _seq("b", 46)
+    sched.add(late)
+    _finish(sched, flood[0])
+    assert _admit_all(sched) == [late]  # b runs none, a seven: b before a's older ones
+    _finish(sched, flood[1])
+    assert _admit_all(sched) == [flood[8]]  # b one, a six: a's turn, in a's own order
+    assert sched.head_bypassed == 0  # a fair pick, not a bypass of a blocked head
+
+
+def _prefilling(sched: Scheduler, owner: str, prompt: int) -> Sequence:
+    seq = _seq(owner, prompt)
+    sched.add(seq)
+    assert sched.next_to_admit() is seq
+    sched.reserve(sched.admission_tokens(seq))
+    sched.admit(seq)
+    return seq
+
+
+def test_prefill_tokens_are_shared_between_keys() -> None:
+    sched = _scheduler(100_000, max_num_batched_tokens=512)
+    a1, a2 = _prefilling(sched, "a", 2000), _prefilling(sched, "a", 2000)
+    b = _prefilling(sched, "b", 2000)
+    c = _prefilling(sched, "c", 40)
+    plan = dict(sched.plan())
+    assert plan[c] == 40  # needs less than a third: takes all it needs
+    assert plan[b] == plan[a1] == 236 and a2 not in plan  # the rest split equally
+    assert sum(plan.values()) == 512
+
+
+def test_one_keys_prefill_takes_the_budget_oldest_first() -> None:
+    for owners in (("a", "a"), (None, None)):
+        sched = _scheduler(100_000, max_num_batched_tokens=512)
+        first, second = (_prefilling(sched, o, 400) for o in owners)
+        assert sched.plan() == [(first, 400), (second, 112)]
+
+
+def test_prefill_shares_are_max_min_fair_and_use_the_whole_budget() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        budget = rng.choice([64, 512, 2048])
+        sched = _scheduler(10**7, max_num_batched_tokens=budget)
+        for _ in range(rng.randrange(1, 8)):
+            _prefilling(sched, rng.choice("abc"), rng.randrange(2, 900))
+        plan = sched.plan()
+        got: dict[str | None, int] = {}
+        need: dict[str | None, int] = {}
+        for seq in sched.running:
+            need[seq.request.owner] = need.get(seq.request.owner, 0) + seq.num_pending
+        for seq, take in plan:
+            assert 0 < take <= seq.num_pending
+            got[seq.request.owner] = got.get(seq.request.owner, 0) + take
+        total = sum(got.values())
+        assert total == min(budget, sum(need.values()))  # work-conserving
+        for owner, n in need.items():
+            if got.get(owner, 0) < n:  # left wanting: no owner got more than one token over it
+                assert all(v <= got.get(owner, 0) + 1 for v in got.values()), (plan, need)
 
 
 def test_engine_owner_lets_a_small_request_past_a_large_one(tiny_llama_dir: Path) -> None:

@@ -63,19 +63,27 @@ class Scheduler:
     outgrows its buffer and the budget cannot cover it, the newest sequence is
     preempted (it may be the growing one itself).
 
-    Admission, while fewer than `max_num_seqs` run: the head of the waiting
-    queue (the oldest; preempted sequences go back to the front) starts when its
-    KV fits. When it does not, the first waiting sequence of each *other* owner
-    (`Request.owner`, the API key's tenant) that fits may start instead, one
-    owner per admission in turn: the owner next after the last one let past,
-    in name order, wrapping around. So one key's large request does not hold
-    back every other key's small ones, and no key gets two turns while another
-    waits. A key's own requests keep their order, and requests without an owner
-    (or all of one owner) keep strict arrival order. Starvation bound: once
-    `max_head_bypass` sequences have started ahead of the current head, nothing
-    else does until it starts; the running ones finish and free the memory it
-    needs. Rejected: admitting whatever fits from anywhere in the queue (a
-    stream of small requests could starve a large one for ever).
+    Admission, while fewer than `max_num_seqs` run: each owner (`Request.owner`,
+    the API key's tenant) keeps its own requests in arrival order, and the first
+    waiting sequence of the owner with the fewest running sequences starts first
+    (ties: the oldest), when its KV fits. So one key that sends many requests, or
+    one with `n` samples, does not take every batch slot from a key that sends
+    one at a time: the next slot that frees goes to the key with fewer. When that
+    sequence (the blocked one) does not fit, the first waiting sequence of each
+    *other* owner that fits may start instead, one owner per admission in turn:
+    the owner next after the last one let past, in name order, wrapping around.
+    So one key's large request does not hold back every other key's small ones.
+    Requests without an owner (or all of one owner) keep strict arrival order.
+    Starvation bound: once `max_head_bypass` sequences have started ahead of the
+    blocked sequence, nothing else does until it starts; the running ones finish
+    and free the memory it needs. Rejected: admitting whatever fits from anywhere
+    in the queue (a stream of small requests could starve a large one for ever).
+
+    Prefill, outside deterministic mode, shares the step's token budget between
+    owners max-min fairly (an owner that needs less than an equal part takes what
+    it needs, the rest split among the others), oldest sequence first within an
+    owner: one key's long prompts do not delay another key's first token by
+    more than their part of each step.
     """
 
     def __init__(
@@ -94,11 +102,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._order = 0
-        # The head the bypass count is for, sequences admitted ahead of it, and the
-        # owner admitted ahead of a head last (where the next turn starts).
+        # The blocked sequence the bypass count is for, sequences admitted ahead of it,
+        # the owner admitted ahead of one last (where the next turn starts), and the
+        # sequence `next_to_admit` last offered as a bypass.
         self._head: Sequence | None = None
         self.head_bypassed = 0
         self._last_bypass_owner: str | None = None
+        self._bypass: Sequence | None = None
 
     # -- the budget -------------------------------------------------------------
 
@@ -137,9 +147,10 @@ class Scheduler:
 
     def admit(self, seq: Sequence) -> None:
         """Move `seq` from waiting to running (the engine has reserved its KV)."""
-        if self.waiting and seq is not self.waiting[0]:
+        if seq is self._bypass:
             self.head_bypassed += 1
             self._last_bypass_owner = _owner(seq)
+        self._bypass = None
         self.waiting.remove(seq)
         if not seq.order:
             self._order += 1
@@ -158,18 +169,40 @@ class Scheduler:
         return bool(self.waiting) and self.fits(self.admission_tokens(self.waiting[0]))
 
     def next_to_admit(self) -> Sequence | None:
-        """The waiting sequence to start now, if any: the head when it fits, else
-        another owner's, in turn (see the class docstring)."""
+        """The waiting sequence to start now, if any: the first of the owner running the
+        fewest when it fits, else another owner's, in turn (see the class docstring)."""
+        self._bypass = None
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
-        head = self.waiting[0]
-        if head is not self._head:
-            self._head, self.head_bypassed = head, 0
-        if self.fits(self.admission_tokens(head)):
-            return head
+        first = self._fairest_first()
+        if first is not self._head:
+            self._head, self.head_bypassed = first, 0
+        if self.fits(self.admission_tokens(first)):
+            return first
         if self.head_bypassed >= self.config.max_head_bypass:
             return None
-        return self._next_other_owner(_owner(head))
+        self._bypass = self._next_other_owner(_owner(first))
+        return self._bypass
+
+    def _fairest_first(self) -> Sequence:
+        """The first waiting sequence of the owner with the fewest running sequences,
+        the oldest among equals. One owner (the usual case): the head, at no cost."""
+        head = self.waiting[0]
+        owner = _owner(head)
+        if all(_owner(s) == owner for s in self.waiting):
+            return head
+        running: dict[str, int] = {}
+        for seq in self.running:
+            running[_owner(seq)] = running.get(_owner(seq), 0) + 1
+        best, best_running, seen = head, running.get(owner, 0), {owner}
+        for seq in self.waiting:
+            o = _owner(seq)
+            if o in seen:
+                continue
+            seen.add(o)
+            if running.get(o, 0) < best_running:
+                best, best_running = seq, running.get(o, 0)
+        return best
 
     def _next_other_owner(self, head_owner: str) -> Sequence | None:
         """The first waiting sequence of the owner whose turn it is, among owners other
@@ -209,18 +242,38 @@ class Scheduler:
                 budget -= 1
             elif seq.num_pending > 1:
                 prefilling.append(seq)
-        for seq in prefilling:
-            if self.config.deterministic:
+        if self.config.deterministic:
+            for seq in prefilling:
                 take = min(seq.num_pending, self.config.prefill_chunk)
                 if take > budget:
                     continue  # never cut a chunk where another batch would not
-            else:
-                take = min(seq.num_pending, budget)
+                work.append((seq, take))
+                budget -= take
+            return work
+        parts = _fair_parts(prefilling, budget)
+        for seq in prefilling:
+            take = min(seq.num_pending, parts.get(_owner(seq), 0))
             if take <= 0:
-                break
+                continue
             work.append((seq, take))
-            budget -= take
+            parts[_owner(seq)] -= take
         return work
+
+
+def _fair_parts(prefilling: list[Sequence], budget: int) -> dict[str, int]:
+    """Prefill tokens for each owner this step: max-min fair shares of `budget` over
+    what each owner's prefilling sequences still need (ascending need, each taking at
+    most an equal part of what is left)."""
+    need: dict[str, int] = {}
+    for seq in prefilling:
+        need[_owner(seq)] = need.get(_owner(seq), 0) + seq.num_pending
+    parts: dict[str, int] = {}
+    left = max(budget, 0)
+    for i, (owner, wanted) in enumerate(sorted(need.items(), key=lambda kv: kv[1])):
+        share = left // (len(need) - i)
+        parts[owner] = min(wanted, share)
+        left -= parts[owner]
+    return parts  # the owner needing most took the rounding: what is left, nobody needs
 
 
 def _owner(seq: Sequence) -> str:
