@@ -72,6 +72,9 @@ class Tally:
     health: list[tuple[float, int | str]] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)
+    # Cores each process kept busy per phase (CPU seconds over wall seconds): the
+    # clients run on this host too, so what they burn the server cannot use.
+    cores: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def status(self, who: str, code: int) -> None:
         with self.lock:
@@ -380,9 +383,17 @@ def run_phase(
     hostile = hostile_shapes(url, model, stop, tally)
     loops += [fn for name, fn in hostile.items() if shapes is None or name in shapes]
     threads = [threading.Thread(target=fn, daemon=True) for fn in loops]
+    server, me = psutil.Process(pid), psutil.Process()
+    busy = [sum(p.cpu_times()[:2]) for p in (server, me)]
+    start = time.monotonic()
     for t in threads:
         t.start()
     time.sleep(seconds)
+    wall = time.monotonic() - start
+    server_cores, client_cores = (
+        (sum(p.cpu_times()[:2]) - b) / wall for p, b in zip((server, me), busy, strict=True)
+    )
+    tally.cores[phase] = (server_cores, client_cores)
     stop.set()
     for t in threads:
         t.join(120)
@@ -466,6 +477,11 @@ def soak(
         f"normal requests answered: {served}; p50 quiet {quiet * 1000:.0f} ms, "
         f"hostile {loud * 1000:.0f} ms ({loud / quiet:.2f}x)",
         f"after: {figures.get('pending')} pending; scheduling {sched}",
+        *(
+            f"{phase} phase: server busy {srv:.2f} cores, clients {cli:.2f} cores "
+            f"(of {os.cpu_count()})"
+            for phase, (srv, cli) in tally.cores.items()
+        ),
         f"/health answers: {len(tally.health)}, not 200: {Counter(map(str, bad_health))}",
         f"RSS idle {idle_rss / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB, "
         f"bound {bound / 2**20:.0f} MiB",
