@@ -37,11 +37,18 @@ from pagedkv.errors import PromptTooLongError
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
+from pagedkv.server.dashboard import Dashboard, add_dashboard_routes
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
 from pagedkv.server.explain import ChatExplainRequest, Explainer, refuse_unknown_chat_fields
 from pagedkv.server.generation import Generation, Options
-from pagedkv.server.http_errors import APIError, bad_request, hidden_error, shutting_down
+from pagedkv.server.http_errors import (
+    REQUEST_ID,
+    APIError,
+    bad_request,
+    hidden_error,
+    shutting_down,
+)
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
 from pagedkv.server.middleware import (
@@ -104,6 +111,7 @@ class ServerState:
     share: KeyShare
     render: RenderPool = field(default_factory=RenderPool)
     ledger: TenantLedger = field(default_factory=TenantLedger)
+    dashboard: Dashboard = field(default_factory=Dashboard)
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False
     generations: set[Generation] = field(default_factory=set)
@@ -243,6 +251,16 @@ def create_app(
             held.release()
             results = [gen.results[i] for i in sorted(gen.results)]
             state.ledger.finished(tenant, results, complete=gen.done)
+            if gen.done and results:
+                state.dashboard.feed.finished(
+                    request_id=REQUEST_ID.get(),
+                    key=tenant.label,
+                    prompt_tokens=results[0].prompt_tokens,
+                    cached_tokens=results[0].cached_tokens,
+                    cached=dict(results[0].tier_hits),
+                    generated_tokens=sum(len(r.token_ids) for r in results),
+                    ttft_s=results[0].ttft_s,
+                )
 
         state.ledger.started(tenant)
         gen = Generation(
@@ -375,6 +393,17 @@ def create_app(
         )
         return ids, mode
 
+    def record_explained_miss(tenant: Tenant, answer: dict[str, Any]) -> None:
+        miss = answer["miss"]
+        state.dashboard.feed.record_miss(
+            request_id=REQUEST_ID.get(),
+            key=tenant.label,
+            position=miss["token_index"],
+            prompt_tokens=answer["prompt_tokens"],
+            reason=miss["reason"],
+            section=miss.get("section"),
+        )
+
     @app.get("/v1/cache/stats", responses=ERRORS)
     async def cache_stats(tenant: TenantDep) -> Response:
         """Admins (and a server without keys) get the engine's and cache's global figures;
@@ -387,7 +416,7 @@ def create_app(
         stats = await to_thread.run_sync(engine.cache_stats)
         return JSONResponse({"scope": "server", **stats_json(stats)})
 
-    explainer = Explainer(engine, prompt_only, state.render)
+    explainer = Explainer(engine, prompt_only, state.render, on_miss=record_explained_miss)
 
     @app.post("/v1/cache/explain", responses=ERRORS)
     async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:
@@ -423,6 +452,7 @@ def create_app(
     )
     blocking = functools.partial(_blocking, pool=state.render)
     add_tokenizer_routes(app, TokenizerContext(engine, state.tools, check_open, admit, blocking))
+    add_dashboard_routes(app)
     _document_errors(app)
     return app
 
