@@ -26,6 +26,7 @@ from pagedkv.server.authn import TenantDep
 from pagedkv.server.http_errors import APIError
 
 PAGE_PATH = "/dashboard"
+SESSION_PATH = "/dashboard/session.json"
 STATE_PATH = "/v1/dashboard/state"
 REQUEST_PATH = "/v1/dashboard/requests/{request_id}"
 ASSETS = {
@@ -87,6 +88,12 @@ def add_dashboard_routes(app: FastAPI) -> None:
         check_page(request)
         return Response(_asset("index.html"), media_type="text/html; charset=utf-8",
                         headers=_HEADERS)  # fmt: skip
+
+    @app.get(SESSION_PATH, include_in_schema=False)
+    def session(request: Request) -> Response:
+        """Whether the page must ask for a key first (so it never starts with a 401)."""
+        check_page(request)
+        return JSONResponse({"keys": state.keys.enabled}, headers=_HEADERS)
 
     @app.get(PAGE_PATH + "/{name}", include_in_schema=False)
     def asset(name: str, request: Request) -> Response:

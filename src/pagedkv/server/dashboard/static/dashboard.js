@@ -20,7 +20,7 @@
     const u = ["B", "KiB", "MiB", "GiB", "TiB"];
     let i = 0;
     while (v >= 1024 && i < u.length - 1) { v /= 1024; i++; }
-    return (i ? v.toFixed(1) : String(v)) + " " + u[i];
+    return (i ? v.toFixed(v >= 100 ? 0 : 1) : String(Math.round(v))) + " " + u[i];
   }
   const pct = (v) => (v == null ? "-" : (100 * v).toFixed(1) + " %");
   const int = (v) => (v == null ? "-" : Number(v).toLocaleString("en-US"));
@@ -42,7 +42,7 @@
     const c = document.createElement("div");
     c.className = "card";
     c.appendChild(cell("div", label)).className = "k";
-    c.appendChild(cell("div", text, stat, value)).className = "v";
+    c.appendChild(cell("div", text, stat, value)).className = String(text).length > 24 ? "v long" : "v";
     if (small) c.appendChild(cell("div", small)).className = "small";
     parent.appendChild(c);
   }
@@ -285,6 +285,16 @@
     timer = setTimeout(poll, POLL_MS);
   }
 
+  // A server with keys and no key in this tab: the form first, not a refused request.
+  async function start() {
+    try {
+      const resp = await fetch("/dashboard/session.json", { cache: "no-store" });
+      const session = await resp.json();
+      if (session.keys && !sessionStorage.getItem(KEY)) { showLogin(""); return; }
+    } catch (e) { /* the poll reports an unreachable server */ }
+    poll();
+  }
+
   function selectTab(name) {
     document.querySelectorAll("#tabs button").forEach((b) => b.classList.toggle("active", b.dataset.tab === name));
     document.querySelectorAll(".panel").forEach((p) => p.classList.toggle("active", p.dataset.panel === name));
@@ -300,6 +310,6 @@
     });
     $("logout").addEventListener("click", () => { sessionStorage.removeItem(KEY); showLogin(""); });
     window.PKDashboard = { authHeaders, selectTab };
-    poll();
+    start();
   });
 })();

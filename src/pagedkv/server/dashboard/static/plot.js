@@ -3,7 +3,7 @@
 "use strict";
 (function () {
   const NS = "http://www.w3.org/2000/svg";
-  const W = 460, H = 180, L = 48, R = 8, T = 8, B = 34;
+  const W = 460, H = 180, L = 58, R = 8, T = 8, B = 34;
   const PALETTE = ["#4fa3ff", "#4caf7a", "#e0a43a", "#c678dd", "#e05a5a", "#56b6c2", "#abb2bf"];
 
   function el(name, attrs, parent) {
@@ -72,13 +72,17 @@
     series.forEach((s) => s.points.forEach((p) => { if (p[1] != null && p[1] > max) max = p[1]; }));
     const { x, y } = frame(svg, t0, t1, niceMax(max), yFmt);
     series.forEach((s) => {
-      let d = "", pen = false;
+      let d = "", pen = false, last = null, drawn = 0;
       s.points.forEach(([t, v]) => {
         if (v == null || t < t0) { pen = false; return; }
         d += (pen ? "L" : "M") + x(t).toFixed(1) + "," + y(v).toFixed(1);
         pen = true;
+        last = [t, v];
+        drawn++;
       });
       if (d) el("path", { d, class: "line", stroke: s.color, "data-series": s.name }, svg);
+      // A lone sample (the page just opened) is a dot, not an invisible one-point line.
+      if (drawn === 1) el("circle", { cx: x(last[0]), cy: y(last[1]), r: 2.5, fill: s.color }, svg);
     });
     legend(svg, series);
   }
