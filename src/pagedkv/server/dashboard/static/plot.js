@@ -72,17 +72,18 @@
     series.forEach((s) => s.points.forEach((p) => { if (p[1] != null && p[1] > max) max = p[1]; }));
     const { x, y } = frame(svg, t0, t1, niceMax(max), yFmt);
     series.forEach((s) => {
-      let d = "", pen = false, last = null, drawn = 0;
+      const runs = [];
+      let run = [];
       s.points.forEach(([t, v]) => {
-        if (v == null || t < t0) { pen = false; return; }
-        d += (pen ? "L" : "M") + x(t).toFixed(1) + "," + y(v).toFixed(1);
-        pen = true;
-        last = [t, v];
-        drawn++;
+        if (v == null || t < t0) { if (run.length) runs.push(run); run = []; return; }
+        run.push([x(t), y(v)]);
       });
+      if (run.length) runs.push(run);
+      let d = "";
+      runs.forEach((r) => r.forEach(([px, py], i) => { d += (i ? "L" : "M") + px.toFixed(1) + "," + py.toFixed(1); }));
       if (d) el("path", { d, class: "line", stroke: s.color, "data-series": s.name }, svg);
-      // A lone sample (the page just opened) is a dot, not an invisible one-point line.
-      if (drawn === 1) el("circle", { cx: x(last[0]), cy: y(last[1]), r: 2.5, fill: s.color }, svg);
+      // A lone sample (a bucket between two empty ones) is a dot, not an invisible line.
+      runs.filter((r) => r.length === 1).forEach(([[px, py]]) => el("circle", { cx: px, cy: py, r: 3, fill: s.color }, svg));
     });
     legend(svg, series);
   }
