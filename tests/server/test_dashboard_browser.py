@@ -182,6 +182,8 @@ def test_loads_with_the_key_every_panel_renders_and_numbers_match(
             assert float(value) == pytest.approx(float(expected[stat])), stat
             compared += 1
     assert compared >= 20, shown
+    # The launcher loads float32 weights on the CPU with the default kv_dtype.
+    assert (shown["overview.backend"], shown["overview.dtype"]) == ("transformers", "float32")
     assert set(stats["tiers"]) == {"ram", "ssd"} and stats["requests"]["requests"] == 4
     assert {"tiers.ssd.num_blocks", "tiers.ram.hits", "requests.cached_tokens"} <= shown.keys()
 
