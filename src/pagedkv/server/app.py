@@ -252,15 +252,7 @@ def create_app(
             results = [gen.results[i] for i in sorted(gen.results)]
             state.ledger.finished(tenant, results, complete=gen.done)
             if gen.done and results:
-                state.dashboard.feed.finished(
-                    request_id=REQUEST_ID.get(),
-                    key=tenant.label,
-                    prompt_tokens=results[0].prompt_tokens,
-                    cached_tokens=results[0].cached_tokens,
-                    cached=dict(results[0].tier_hits),
-                    generated_tokens=sum(len(r.token_ids) for r in results),
-                    ttft_s=results[0].ttft_s,
-                )
+                state.dashboard.finished(REQUEST_ID.get(), tenant.label, results)
 
         state.ledger.started(tenant)
         gen = Generation(
@@ -393,17 +385,6 @@ def create_app(
         )
         return ids, mode
 
-    def record_explained_miss(tenant: Tenant, answer: dict[str, Any]) -> None:
-        miss = answer["miss"]
-        state.dashboard.feed.record_miss(
-            request_id=REQUEST_ID.get(),
-            key=tenant.label,
-            position=miss["token_index"],
-            prompt_tokens=answer["prompt_tokens"],
-            reason=miss["reason"],
-            section=miss.get("section"),
-        )
-
     @app.get("/v1/cache/stats", responses=ERRORS)
     async def cache_stats(tenant: TenantDep) -> Response:
         """Admins (and a server without keys) get the engine's and cache's global figures;
@@ -416,7 +397,7 @@ def create_app(
         stats = await to_thread.run_sync(engine.cache_stats)
         return JSONResponse({"scope": "server", **stats_json(stats)})
 
-    explainer = Explainer(engine, prompt_only, state.render, on_miss=record_explained_miss)
+    explainer = Explainer(engine, prompt_only, state.render, on_miss=state.dashboard.explained)
 
     @app.post("/v1/cache/explain", responses=ERRORS)
     async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedkv.engine.request import GenerationResult
 from pagedkv.engine.stats import EngineStats
+from pagedkv.server.auth import Tenant
 from pagedkv.server.dashboard.feed import DashboardFeed
 from pagedkv.server.dashboard.tiers import TierHistory
+from pagedkv.server.http_errors import REQUEST_ID
 from pagedkv.server.metrics import stats_json
 
 
@@ -44,6 +47,31 @@ class Dashboard:
     tiers: TierHistory = field(default_factory=TierHistory)
     sources: DashboardSources = field(default_factory=DashboardSources)
     started: float = field(default_factory=time.time)
+
+    def finished(self, request_id: str, key: str, results: Sequence[GenerationResult]) -> None:
+        """A generation request that completed: its samples' results, in index order."""
+        first = results[0]
+        self.feed.finished(
+            request_id=request_id,
+            key=key,
+            prompt_tokens=first.prompt_tokens,
+            cached_tokens=first.cached_tokens,
+            cached=dict(first.tier_hits),
+            generated_tokens=sum(len(r.token_ids) for r in results),
+            ttft_s=first.ttft_s,
+        )
+
+    def explained(self, tenant: Tenant, answer: dict[str, Any]) -> None:
+        """An explain answer with a miss (`server/explain.py`, `Explainer.on_miss`)."""
+        miss = answer["miss"]
+        self.feed.record_miss(
+            request_id=REQUEST_ID.get(),
+            key=tenant.label,
+            position=miss["token_index"],
+            prompt_tokens=answer["prompt_tokens"],
+            reason=miss["reason"],
+            section=miss.get("section"),
+        )
 
     def state(
         self, model_name: str, stats: EngineStats, active: int, keys_enabled: bool
