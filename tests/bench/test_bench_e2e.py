@@ -65,6 +65,7 @@ def test_bench_writes_results_and_reuses_what_an_ideal_cache_would(
     restart = results[-1]
     assert restart["tier_hits"].get("ssd", 0) > 0, "after the restart, prefixes come from SSD"
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "report.html").read_text().count("<svg") == 3
     assert not any(ssd.iterdir()), "the bench's temporary SSD directory is removed"
 
     table = capsys.readouterr().out

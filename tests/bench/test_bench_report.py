@@ -91,3 +91,30 @@ def test_unknown_ideal_gives_no_ratio(tmp_path: Path) -> None:
     write_json([s], tmp_path / "r.json")
     write_plot([s], tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_html_report_is_self_contained_with_its_plots(tmp_path: Path) -> None:
+    from pagedkv.bench.html_report import write_html
+
+    runs = [
+        summarize(
+            workload=name,
+            model="<tiny & model>",
+            mode="local",
+            records=[
+                _rec(0, 0, 0, 0.2, 0.2, {}),
+                _rec(1, 90, 92, 0.02, 0.3, {"ram": 60, "ssd": 30}),
+            ],
+            cached_wall_s=1.0,
+            cold_wall_s=2.0,
+            wall_s=3.0,
+        )
+        for name in ("chat", "restart")
+    ]
+    write_html(runs, tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("<svg") == 3 and page.count("<path") == 4  # cold and cached per workload
+    assert "&lt;tiny &amp; model&gt;" in page and "<tiny" not in page
+    assert page.replace('xmlns="http://www.w3.org/2000/svg"', "").count("http") == 0
+    assert "<script" not in page and "<link" not in page and "src=" not in page
+    assert format_table(runs).splitlines()[2].split()[0] in page

@@ -32,6 +32,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedkv.bench.concurrent import run_steps
+from pagedkv.bench.html_report import write_html
 from pagedkv.bench.ideal import IdealCache
 from pagedkv.bench.render import Renderer
 from pagedkv.bench.report import RequestRecord, format_table, summarize, write_json, write_plot
@@ -74,7 +75,8 @@ def main(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         write_json(results, out / "results.json")
         write_plot(results, out / "results.png")
-        print(f"wrote {out / 'results.json'} and {out / 'results.png'}")
+        write_html(results, out / "report.html")
+        print(f"wrote {out / 'results.json'}, {out / 'results.png'} and {out / 'report.html'}")
     return 0
 
 

@@ -20,7 +20,13 @@ from pagedkv.engine.grammar import GrammarCompiler
 from pagedkv.engine.request import GenerationResult, Request, RequestStream
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
-from pagedkv.engine.stats import Accounting, EngineStats, RequestCounters, SchedulerStats
+from pagedkv.engine.stats import (
+    Accounting,
+    EngineStats,
+    RequestCounters,
+    RuntimeInfo,
+    SchedulerStats,
+)
 from pagedkv.engine.worker import Worker
 from pagedkv.errors import (
     EngineClosedError,
@@ -331,6 +337,12 @@ class Engine:
             requests=counters,
             cache=self.prefix.stats() if self.prefix is not None else None,
             scheduling=scheduling,
+            runtime=RuntimeInfo(
+                backend="transformers",
+                device=str(self.adapter.device),
+                dtype=str(self.adapter.dtype).removeprefix("torch."),
+                kv_dtype=self.config.kv_dtype,
+            ),
         )
 
     def accounting(self) -> Accounting:

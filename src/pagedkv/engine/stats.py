@@ -36,6 +36,17 @@ class SchedulerStats:
 
 
 @dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    """What runs the model: the backend, its device, the weights' dtype and the KV
+    format (`CacheConfig.kv_dtype`, `auto` when it is the model's dtype)."""
+
+    backend: str
+    device: str
+    dtype: str
+    kv_dtype: str
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot: the model, why caching is off when it is, the request totals and the
     prefix cache's own figures (None when caching is off)."""
@@ -46,6 +57,7 @@ class EngineStats:
     requests: RequestCounters
     cache: CacheStats | None
     scheduling: SchedulerStats | None = None
+    runtime: RuntimeInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,11 +37,18 @@ from pagedkv.errors import PromptTooLongError
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
+from pagedkv.server.dashboard import Dashboard, add_dashboard_routes
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
 from pagedkv.server.explain import ChatExplainRequest, Explainer, refuse_unknown_chat_fields
 from pagedkv.server.generation import Generation, Options
-from pagedkv.server.http_errors import APIError, bad_request, hidden_error, shutting_down
+from pagedkv.server.http_errors import (
+    REQUEST_ID,
+    APIError,
+    bad_request,
+    hidden_error,
+    shutting_down,
+)
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
 from pagedkv.server.middleware import (
@@ -104,6 +111,7 @@ class ServerState:
     share: KeyShare
     render: RenderPool = field(default_factory=RenderPool)
     ledger: TenantLedger = field(default_factory=TenantLedger)
+    dashboard: Dashboard = field(default_factory=Dashboard)
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False
     generations: set[Generation] = field(default_factory=set)
@@ -243,6 +251,8 @@ def create_app(
             held.release()
             results = [gen.results[i] for i in sorted(gen.results)]
             state.ledger.finished(tenant, results, complete=gen.done)
+            if gen.done and results:
+                state.dashboard.finished(REQUEST_ID.get(), tenant.label, results)
 
         state.ledger.started(tenant)
         gen = Generation(
@@ -387,7 +397,7 @@ def create_app(
         stats = await to_thread.run_sync(engine.cache_stats)
         return JSONResponse({"scope": "server", **stats_json(stats)})
 
-    explainer = Explainer(engine, prompt_only, state.render)
+    explainer = Explainer(engine, prompt_only, state.render, on_miss=state.dashboard.explained)
 
     @app.post("/v1/cache/explain", responses=ERRORS)
     async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:
@@ -423,6 +433,7 @@ def create_app(
     )
     blocking = functools.partial(_blocking, pool=state.render)
     add_tokenizer_routes(app, TokenizerContext(engine, state.tools, check_open, admit, blocking))
+    add_dashboard_routes(app)
     _document_errors(app)
     return app
 

@@ -67,6 +67,8 @@ class Explainer:
     engine: EngineAPI
     prompt_only: PromptOnly
     render: RenderPool
+    # Told of every miss explained (the dashboard's list of misses); None: nobody.
+    on_miss: Callable[[Tenant, dict[str, Any]], None] | None = None
 
     async def explain(
         self,
@@ -89,4 +91,6 @@ class Explainer:
             if sections is not None:
                 section = sections(section)
             out["miss"]["section"] = section.to_json() if section is not None else None
+            if self.on_miss is not None:
+                self.on_miss(tenant, out)
         return out

@@ -34,6 +34,8 @@ KNOWN_PATHS = frozenset(
         "/v1/messages/explain",
         "/tokenize",
         "/detokenize",
+        "/dashboard",
+        "/v1/dashboard/state",
     }
 )
 

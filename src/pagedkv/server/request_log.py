@@ -14,7 +14,8 @@ writes the line on the `pagedkv.requests` logger:
 (one line). A refused request has `reason="..."` instead of the token fields. The
 line replaces uvicorn's access line (which `run_server` turns off): both would
 say the same method, path and status twice. Levels: INFO; WARNING for a 5xx;
-DEBUG for a successful /health or /metrics, which orchestrators and scrapers poll.
+DEBUG for a successful /health, /metrics or /v1/dashboard/state, which orchestrators,
+scrapers and the dashboard page poll.
 
 The key label never shows the key: `keyN` is the Nth API key the server was
 given, `adminN` the Nth admin key (`server/auth.py`), `-` without keys or before
@@ -39,7 +40,8 @@ REQUEST_RECORD: ContextVar[RequestRecord | None] = ContextVar(
 
 TIERS = ("ram", "ssd", "redis")
 MAX_REASON_CHARS = 300
-QUIET_PATHS = frozenset({"/health", "/metrics"})
+# Polled: /health by orchestrators, /metrics by scrapers, the dashboard's data by its page.
+QUIET_PATHS = frozenset({"/health", "/metrics", "/v1/dashboard/state"})
 
 
 @dataclass(slots=True)
