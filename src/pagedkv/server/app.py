@@ -37,6 +37,7 @@ from pagedkv.errors import PromptTooLongError
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
+from pagedkv.server.drift import RenderMemory
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
 from pagedkv.server.explain import ChatExplainRequest, Explainer, refuse_unknown_chat_fields
@@ -342,7 +343,7 @@ def create_app(
         check_supported(body)
         held = admit(tenant, body.n)
         with held.released_on_error():
-            ids, mode = await chat_prompt(body, tenant)
+            ids, mode = await chat_prompt(body, tenant, remember=True)
             return await generate(request, body, ids, tenant, arrived, held, mode)
 
     def admit(tenant: Tenant, n: int) -> ShareHeld:
@@ -361,10 +362,11 @@ def create_app(
         return ids, mode
 
     async def chat_prompt(
-        body: ChatCompletionRequest, tenant: Tenant
+        body: ChatCompletionRequest, tenant: Tenant, remember: bool = False
     ) -> tuple[list[int], ToolMode | None]:
         """The prompt's token ids (tools rendered by the template), and how to parse the reply.
-        Callers hold the key's share (`admit`)."""
+        Callers hold the key's share (`admit`). `remember`: a generating request's render,
+        kept for explain's `template_drift` (`Explainer.remember`)."""
         mode = tool_mode(body, state.tools)
         messages = chat_messages(body)
         render = functools.partial(
@@ -373,6 +375,8 @@ def create_app(
         ids = await _blocking(
             render, messages, what="the chat template", pool=state.render, owner=tenant.salt
         )
+        if remember:
+            await state.render.run(tenant.salt, explainer.remember, body, tenant, ids)
         return ids, mode
 
     @app.get("/v1/cache/stats", responses=ERRORS)
@@ -387,7 +391,14 @@ def create_app(
         stats = await to_thread.run_sync(engine.cache_stats)
         return JSONResponse({"scope": "server", **stats_json(stats)})
 
-    explainer = Explainer(engine, prompt_only, state.render)
+    explainer = Explainer(
+        engine,
+        prompt_only,
+        state.render,
+        metrics=state.metrics,
+        other_salts=lambda tenant: [s for s in state.keys.salts() if s != tenant.salt],
+        drift=RenderMemory(),
+    )
 
     @app.post("/v1/cache/explain", responses=ERRORS)
     async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:
