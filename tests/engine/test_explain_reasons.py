@@ -140,3 +140,35 @@ def test_identity_changed_names_what_changed(tiny_llama_dir: Path, tmp_path: Pat
         other = second.explain(prompt, cache_salt="u")
         assert other.miss is not None and other.miss.reason == "new"
         assert second.generate(prompt, GREEDY, cache_salt="t").cached_tokens == 0
+
+
+def test_identity_changed_on_redis(tiny_llama_dir: Path, redis_url: str) -> None:
+    prompt = random_prompt(89, 6 * BS)
+    cfg = CacheConfig(block_size=BS, redis_url=redis_url)
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cfg) as first:
+        first.generate(prompt, GREEDY)
+        assert first.prefix is not None and first.prefix.lower.flush(10)
+    int8 = CacheConfig(block_size=BS, redis_url=redis_url, kv_dtype="int8")
+    with Engine.from_pretrained(str(tiny_llama_dir), config=int8) as second:
+        exp = second.explain(prompt)
+        assert exp.miss is not None and exp.miss.reason == "identity_changed", exp
+        assert "redis holds" in exp.miss.detail and "kv_dtype" in exp.miss.detail
+        assert second.generate(prompt, GREEDY).cached_tokens == 0
+
+
+def test_sliding_window_part_lost_on_ssd_cuts_what_explain_reports(tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "gemma", arch="gemma3_text", seed=7)
+    cfg = CacheConfig(block_size=BS, ssd_cache_dir=tmp_path / "kv", ssd_cache_bytes=2**26)
+    base = random_prompt(90, 12 * BS + 1)
+    with Engine.from_pretrained(str(model), config=cfg) as eng:
+        eng.generate(base, GREEDY)
+    with Engine.from_pretrained(str(model), config=cfg) as eng:
+        assert eng.prefix is not None and eng.prefix.split is not None
+        chain = eng.prefix.hasher.chain(base)
+        ssd = eng.prefix.lower.tiers[0]
+        ssd.remove([eng.prefix.split.part_key(chain.hashes[10])])  # inside the last window
+        exp = eng.explain(base)
+        got = eng.generate(base, GREEDY)
+    assert exp.cached_tokens == got.cached_tokens == 10 * BS
+    assert exp.miss is not None and (exp.miss.token_index, exp.miss.reason) == (10 * BS, "evicted")
+    assert "sliding-window" in exp.miss.detail

@@ -157,9 +157,10 @@ class Engine:
         )
         log.info("layers of %s: %s", adapter.name, adapter.kinds.describe())
         namespace = adapter.fingerprint(config.block_size)
-        description = (  # shown by `pagedkv cache stats`; only the SSD tier keeps it
-            describe_namespace(adapter, config.block_size) if config.ssd_cache_dir else None
-        )
+        # Who writes the namespace: `pagedkv cache stats` shows it (SSD), and explain's
+        # `identity_changed` compares it with the others' (SSD and Redis keep it).
+        persistent = config.ssd_cache_dir or config.redis_url
+        description = describe_namespace(adapter, config.block_size) if persistent else None
         prefix = build_prefix_cache(config, layout, namespace, adapter.device, description)
         if prefix is None:
             self.caching_off_reason = "the RAM cache budget holds less than one block"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -372,11 +372,11 @@ def create_app(
         render = functools.partial(
             engine.apply_chat_template, tools=template_tools(body), max_tokens=engine.max_context
         )
+        if remember:  # on the same thread, right after the render: no second hand-off
+            render = functools.partial(_render_and_remember, render, explainer, body, tenant)
         ids = await _blocking(
             render, messages, what="the chat template", pool=state.render, owner=tenant.salt
         )
-        if remember:
-            await state.render.run(tenant.salt, explainer.remember, body, tenant, ids)
         return ids, mode
 
     @app.get("/v1/cache/stats", responses=ERRORS)
@@ -462,6 +462,18 @@ def _document_errors(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _render_and_remember(
+    render: Callable[[list[dict[str, Any]]], list[int]],
+    explainer: Explainer,
+    body: ChatCompletionRequest,
+    tenant: Tenant,
+    messages: list[dict[str, Any]],
+) -> list[int]:
+    ids = render(messages)
+    explainer.remember(body, tenant, ids)
+    return ids
 
 
 async def _blocking(
