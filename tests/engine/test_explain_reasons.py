@@ -5,6 +5,7 @@ boundaries with a state snapshot), from RAM and from SSD after a restart."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,17 @@ def test_sliding_window_part_lost_on_ssd_cuts_what_explain_reports(tmp_path: Pat
     assert exp.cached_tokens == got.cached_tokens == 10 * BS
     assert exp.miss is not None and (exp.miss.token_index, exp.miss.reason) == (10 * BS, "evicted")
     assert "sliding-window" in exp.miss.detail
+
+
+def test_requests_misses_are_counted_while_their_attribution_is_logged(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompt = random_prompt(91, 3 * BS + 1)
+    with Engine.from_pretrained(str(tiny_llama_dir), config=CacheConfig(block_size=BS)) as eng:
+        with caplog.at_level(logging.DEBUG, logger="pagedkv.engine.worker"):
+            eng.generate(prompt, GREEDY)  # new
+            eng.generate(prompt, GREEDY)  # a whole hit: no miss
+            eng.generate(prompt[:BS] + random_prompt(92, BS), GREEDY)  # diverged
+        assert eng.cache_stats().request_misses == {"new": 1, "diverged": 1}
+        eng.generate(random_prompt(93, BS), GREEDY)  # not logged, not counted
+        assert eng.cache_stats().request_misses == {"new": 1, "diverged": 1}

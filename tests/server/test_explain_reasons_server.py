@@ -75,6 +75,10 @@ def test_the_counter_has_every_reason_and_counts_explain_answers(server: ServerP
 
     before = scrape()
     assert set(before) == set(REASONS)  # lease_expired and reasoning_stripped included
+    with server.http(ADMIN) as http:
+        text = http.get("/metrics").text
+    for reason in REASONS:  # the requests' series too (counted at --log-level debug)
+        assert f'pagedkv_explain_misses_total{{reason="{reason}",source="request"}}' in text
     messages = conversation(uuid.uuid4().hex, "Count me.")
     reasons = [
         post(server, key, "/v1/cache/explain", {"messages": messages})["miss"]["reason"]
