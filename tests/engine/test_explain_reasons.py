@@ -5,6 +5,7 @@ boundaries with a state snapshot), from RAM and from SSD after a restart."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -187,3 +188,18 @@ def test_requests_misses_are_counted_while_their_attribution_is_logged(
         assert eng.cache_stats().request_misses == {"new": 1, "diverged": 1}
         eng.generate(random_prompt(93, BS), GREEDY)  # not logged, not counted
         assert eng.cache_stats().request_misses == {"new": 1, "diverged": 1}
+
+
+def test_other_tenant_shows_nothing_of_the_other_tenants_prompt(tiny_llama_dir: Path) -> None:
+    words = [377, 424, 426, 428, 487]  # 'hello', 'Blocks', ...: in no digit prompt
+    digits = [18 + (i * 7) % 10 for i in range(3 * BS + 2)]
+    owner = digits + words * 2
+    asked = digits + [18 + (i * 3) % 10 for i in range(2 * BS)]
+    with Engine.from_pretrained(str(tiny_llama_dir), config=CacheConfig(block_size=BS)) as eng:
+        eng.generate(owner, GREEDY, cache_salt="owner")
+        exp = eng.explain(asked, cache_salt="admin", other_salts=["owner"])
+        assert exp.miss is not None and exp.miss.reason == "other_tenant"
+        text = json.dumps(exp.to_json())
+        for t in words:
+            assert eng.decode([t]) not in text
+        assert "[" not in text.replace('"tiers": {', "")  # no list of token ids anywhere

@@ -14,6 +14,18 @@ still be counted, which a request sent a moment later would also find missing.
 Lower tiers answer from their index (`contains`): a block whose file turns out
 corrupt is a miss for the request that reads it, which explain cannot foresee.
 
+The answer's `cached_tokens` is what the restore would give, for every model kind:
+the same cuts are made, from indexes only: a model with recurrent layers stops at
+the last block boundary with a state snapshot (`SnapshotStore.peek`): KV cached
+past it is `below_block` when it is less than a block past that boundary,
+`snapshot_missing` otherwise; a model whose sliding layers' KV is stored apart
+stops before a lower-tier block whose window part no tier has (`evicted`). A
+`new` or `diverged` miss is then looked for under other roots
+(`cache.elsewhere`): another namespace (`identity_changed`), another tenant's
+salt when the caller may be told (`other_tenant`). The server turns some into
+`template_drift` (`server/drift.py`); the lease and reasoning-aware storing code
+name `lease_expired` and `reasoning_stripped`.
+
 What comes out is positions, counts and reasons: the children's tokens (RAM,
 lower tiers, history) are compared with the caller's own tokens here and only
 the lengths of agreement are kept, so no token of another request can reach an
