@@ -149,12 +149,18 @@ def main() -> int:
     for name, kind in limits.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     p.add_argument("--metrics-key", action="append", default=[])
+    p.add_argument("--kv-dtype", default="auto")
+    p.add_argument("--snapshot-interval-blocks", type=int, default=1)
     a = p.parse_args()
     extra = {name: getattr(a, name) for name in limits if getattr(a, name) is not None}
     if a.metrics_key:
         extra["metrics_keys"] = a.metrics_key
     cache = CacheConfig(
-        block_size=a.block_size, ram_cache_bytes=a.ram_cache, ssd_cache_dir=a.ssd_cache_dir
+        block_size=a.block_size,
+        ram_cache_bytes=a.ram_cache,
+        ssd_cache_dir=a.ssd_cache_dir,
+        kv_dtype=a.kv_dtype,
+        snapshot_interval_blocks=a.snapshot_interval_blocks,
     )
     engine = Engine.from_pretrained(
         a.model, config=cache, device="cpu", dtype="float32", max_queue=a.max_queue

@@ -60,7 +60,7 @@ class GatedTemplate(FakeEngine):
                     self.rendering -= 1
         return super().apply_chat_template(messages, tools, **kwargs)
 
-    def explain(self, prompt: Sequence[int], *, cache_salt: str | None = None) -> Any:
+    def explain(self, prompt: Sequence[int], *, cache_salt: str | None = None, **_: Any) -> Any:
         raise AssertionError("explain reached the engine with a prompt past the context")
 
 

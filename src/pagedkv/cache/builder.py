@@ -73,7 +73,13 @@ def build_prefix_cache(
         from pagedkv.storage.redis import RedisStore
 
         tiers.append(
-            RedisStore(config.redis_url, namespace, secret=secret, cluster=config.redis_cluster)
+            RedisStore(
+                config.redis_url,
+                namespace,
+                secret=secret,
+                cluster=config.redis_cluster,
+                description=description,
+            )
         )
     seed = resolve_seed(config.hash_seed, tiers, secret)
     hasher = BlockHasher(config.block_size, namespace, config.hash_algorithm, seed)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagedkv.cache.block import Block
-from pagedkv.cache.explain import PrefixExplanation, explain_lookup
+from pagedkv.cache.explain import LookupParts, PrefixExplanation, explain_lookup
 from pagedkv.cache.hashing import BlockHasher, ExtraKeys, HashChain, TokenIds
 from pagedkv.cache.history import CacheHistory
 from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
@@ -80,13 +80,19 @@ class PrefixCache:
             self.history.record(block.parent_key, block.token_ids, "ram", reason)
 
     def explain(
-        self, tokens: TokenIds, extra: ExtraKeys | None = None, chain: HashChain | None = None
+        self,
+        tokens: TokenIds,
+        extra: ExtraKeys | None = None,
+        chain: HashChain | None = None,
+        other_tenants: Sequence[ExtraKeys] = (),
     ) -> PrefixExplanation:
         """What a request for `tokens` would reuse now, and why not more; read-only and
-        safe on any thread (see `cache.explain`)."""
+        safe on any thread (see `cache.explain`). `other_tenants`: the keys of other
+        tenants whose holding the prefix the caller may be told (`other_tenant`)."""
         if chain is None:
             chain = self.hasher.chain(tokens, extra)
-        return explain_lookup(self.pool, self.lower, self.history, chain)
+        parts = LookupParts(self.snapshots, self.split, extra, tuple(other_tenants))
+        return explain_lookup(self.pool, self.lower, self.history, chain, parts)
 
     def begin(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> RequestCache:
         """The handle of one request whose prompt is `tokens`; hashes the prompt."""

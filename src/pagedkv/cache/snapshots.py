@@ -129,6 +129,25 @@ class SnapshotStore:
             return self._hit("ram", ram_best, self._ram[hashes[ram_best - 1]])
         return 0, None
 
+    def peek(self, hashes: Sequence[bytes], upto: int) -> int:
+        """The number of blocks `find` would resume at (at most `upto`): no tier read, no
+        counter, the LRU order untouched. Any thread: RAM is asked one membership test
+        per block (each atomic under the GIL), the lower tiers `contains` (metadata).
+        A lower-tier snapshot that turns out corrupt is a miss `find` sees and this
+        does not, like any block explain reports from an index."""
+        ram_best = next((j for j in range(upto, 0, -1) if hashes[j - 1] in self._ram), 0)
+        if ram_best < upto and self.tiers:
+            keys = [state_key(h) for h in hashes[ram_best:upto]]
+            for tier in self.tiers:
+                try:
+                    present = tier.contains(keys)
+                except Exception:  # a failing tier is a miss, as for `find`'s caller
+                    continue
+                best = next((i for i in range(len(keys), 0, -1) if present[i - 1]), 0)
+                if best:
+                    return ram_best + best
+        return ram_best
+
     def _hit(self, tier: str, num_blocks: int, state: torch.Tensor) -> tuple[int, torch.Tensor]:
         self.hits[tier] = self.hits.get(tier, 0) + 1
         return num_blocks, state

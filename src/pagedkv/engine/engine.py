@@ -163,9 +163,10 @@ class Engine:
         )
         log.info("layers of %s: %s", adapter.name, adapter.kinds.describe())
         namespace = adapter.fingerprint(config.block_size)
-        description = (  # shown by `pagedkv cache stats`; only the SSD tier keeps it
-            describe_namespace(adapter, config.block_size) if config.ssd_cache_dir else None
-        )
+        # Who writes the namespace: `pagedkv cache stats` shows it (SSD), and explain's
+        # `identity_changed` compares it with the others' (SSD and Redis keep it).
+        persistent = config.ssd_cache_dir or config.redis_url
+        description = describe_namespace(adapter, config.block_size) if persistent else None
         prefix = build_prefix_cache(config, layout, namespace, adapter.device, description)
         if prefix is None:
             self.caching_off_reason = "the RAM cache budget holds less than one block"
@@ -343,6 +344,7 @@ class Engine:
                 dtype=str(self.adapter.dtype).removeprefix("torch."),
                 kv_dtype=self.config.kv_dtype,
             ),
+            request_misses=worker.miss_reasons.copy(),
         )
 
     def accounting(self) -> Accounting:
@@ -367,12 +369,18 @@ class Engine:
         return result
 
     def explain(
-        self, prompt: str | Sequence[int], *, cache_salt: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        other_salts: Sequence[str] = (),
     ) -> CacheExplanation:
         """What a request for `prompt` with `cache_salt` would reuse if sent now, and the
         cause of its first recomputed token. Hashes and looks up; never runs the model,
         takes no block and changes no counter. Runs on the calling thread, not the
-        worker's (see `pagedkv.cache.explain` for why that is safe)."""
+        worker's (see `pagedkv.cache.explain` for why that is safe). `other_salts`:
+        other tenants' salts whose holding this prefix the caller may learn (the
+        `other_tenant` reason; the server passes them to admin keys only)."""
         ids = (
             self.tokenize(prompt)
             if isinstance(prompt, str)
@@ -383,7 +391,9 @@ class Engine:
         if self.prefix is None:
             return caching_off(len(ids), self.caching_off_reason)
         extra = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
-        return describe(self.prefix.explain(ids, extra), ids, self.decode)
+        others = [ExtraKeys(cache_salt=s) for s in dict.fromkeys(other_salts) if s != cache_salt]
+        exp = self.prefix.explain(ids, extra, other_tenants=others)
+        return describe(exp, ids, self.decode)
 
     def clear_cache(self) -> None:
         """Forget this model's unreferenced cached blocks in every tier (other models'

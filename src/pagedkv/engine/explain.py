@@ -21,7 +21,7 @@ _CONTEXT = 8  # tokens of the caller's own prompt shown on each side of the miss
 @dataclass(frozen=True, slots=True)
 class MissReport:
     token_index: int
-    reason: str  # "new" | "diverged" | "evicted"
+    reason: str  # one of `pagedkv.cache.explain.REASONS`
     detail: str
 
 
@@ -51,6 +51,38 @@ def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat(timespec="seconds")
 
 
+def _evicted(m: MissCause, before: str) -> str:
+    i, dep = m.token_index, m.departure
+    if dep is None:  # a sliding layer's window part of a lower-tier block is gone
+        return (
+            f"the cache holds the next {m.shared_tokens} tokens, but the sliding-window "
+            f"layers' part of the block at token {i} (after {before!r}) is no longer in "
+            f"{', '.join(m.lower_tiers) or 'any tier'}: the restore stops before it"
+        )
+    why = "evicted to make room" if dep.reason == "capacity" else "dropped by a cache clear"
+    text = f"tokens from {i} on (after {before!r}) were cached; they left {dep.tier} at "
+    text += f"{_when(dep.when)} ({why})"
+    if m.lower_tiers:
+        text += f" and no lower tier ({', '.join(m.lower_tiers)}) holds them now"
+        if m.cleared_at is not None:
+            text += f" (the cache was cleared at {_when(m.cleared_at)})"
+        else:
+            text += " (their own capacity eviction)"
+    return text
+
+
+def _identity(m: MissCause) -> str:
+    idc = m.identity
+    assert idc is not None
+    what = ", ".join(idc.changed) if idc.changed else "the model fingerprint"
+    theirs = f" ({idc.theirs})" if idc.theirs else ""
+    return (
+        f"{idc.tier} holds this prompt past token {m.token_index} under another model "
+        f"namespace{theirs}: it was computed with another {what}, and KV is reused only "
+        "by the model, KV dtype and kernel that computed it"
+    )
+
+
 def _detail(m: MissCause, tokens: Sequence[int], decode: Callable[[Sequence[int]], str]) -> str:
     i = m.token_index
     if m.reason == "new":
@@ -66,18 +98,29 @@ def _detail(m: MissCause, tokens: Sequence[int], decode: Callable[[Sequence[int]
             f"differed: this prompt continues {ours!r} (what the earlier one had there "
             "is not shown: it may be another user's)"
         )
-    dep = m.departure
-    assert dep is not None
-    why = "evicted to make room" if dep.reason == "capacity" else "dropped by a cache clear"
-    text = f"tokens from {i} on (after {before!r}) were cached; they left {dep.tier} at "
-    text += f"{_when(dep.when)} ({why})"
-    if m.lower_tiers:
-        text += f" and no lower tier ({', '.join(m.lower_tiers)}) holds them now"
-        if m.cleared_at is not None:
-            text += f" (the cache was cleared at {_when(m.cleared_at)})"
-        else:
-            text += " (their own capacity eviction)"
-    return text
+    if m.reason == "below_block":
+        return (
+            f"the cache holds the next {m.shared_tokens} tokens after token {i} (after "
+            f"{before!r}), fewer than a block: this model keeps recurrent state, which "
+            "is resumed only at the end of a full block, so they are recomputed"
+        )
+    if m.reason == "snapshot_missing":
+        return (
+            f"the cache holds KV for {m.shared_tokens} more tokens after token {i}, but "
+            "not the recurrent-state snapshot at any later block boundary (evicted, or "
+            "never taken there): this model resumes only where a snapshot is"
+        )
+    if m.reason == "identity_changed":
+        return _identity(m)
+    if m.reason == "other_tenant":
+        return (
+            f"another tenant's requests cached this prompt past token {i}; tenants never "
+            "share blocks (each key hashes under its own salt), so this key computes it "
+            "once for itself"
+        )
+    if m.reason == "evicted":
+        return _evicted(m, before)
+    return f"token {i} (after {before!r}) is recomputed: {m.reason}"
 
 
 def describe(

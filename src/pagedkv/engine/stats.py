@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedkv.cache.prefix import CacheStats
 
@@ -58,6 +58,9 @@ class EngineStats:
     cache: CacheStats | None
     scheduling: SchedulerStats | None = None
     runtime: RuntimeInfo | None = None
+    # The requests' misses by reason, counted when the worker logs each request's
+    # attribution (log level debug; `Worker._log_lookup`); empty otherwise.
+    request_misses: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

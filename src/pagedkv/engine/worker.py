@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.cache.hashing import HashChain
-from pagedkv.cache.prefix import PrefixCache
+from pagedkv.cache.prefix import PrefixCache, RequestCache
 from pagedkv.engine.detokenize import Detokenizer
 from pagedkv.engine.explain import describe
 from pagedkv.engine.request import GenerationResult, Request, StreamEvent
@@ -70,6 +69,10 @@ class Worker:
         self.rows: DeterministicRows | None = None
         self.preemptions = 0
         self.cache_errors = 0
+        # Misses by reason, of the requests whose attribution was logged (debug level):
+        # the lookup is repeated read-only for them, which costs a second walk of the
+        # tiers' indexes, so it is done only when someone reads the line.
+        self.miss_reasons: dict[str, int] = {}
         self.steps = 0
         self.spares: list[torch.Tensor] = []  # freed KV buffers, newest last
 
@@ -201,7 +204,7 @@ class Worker:
             try:
                 seq.handle = prefix.begin(seq.tokens, seq.request.extra)
                 if not seq.admitted and log.isEnabledFor(logging.DEBUG):
-                    self._log_lookup(seq.tokens, seq.handle.chain)
+                    self._log_lookup(seq.tokens, seq.handle)
                 restored = seq.handle.restore_into(out, len(seq.tokens) - 1)
             except Exception:
                 log.warning("prefix lookup failed; recomputing the prompt", exc_info=True)
@@ -220,11 +223,15 @@ class Worker:
             seq.tier_hits = dict(seq.handle.tier_hits) if seq.handle is not None else {}
             seq.admitted = True
 
-    def _log_lookup(self, tokens: list[int], chain: HashChain) -> None:
-        """The attribution `POST /v1/cache/explain` would give, for this request."""
+    def _log_lookup(self, tokens: list[int], handle: RequestCache) -> None:
+        """The attribution `POST /v1/cache/explain` would give, for this request; its
+        reason is counted in `miss_reasons` (`pagedkv_explain_misses_total`)."""
         assert self.prefix is not None
-        exp = describe(self.prefix.explain(tokens, chain=chain), tokens, self.adapter.decode)
+        found = self.prefix.explain(tokens, handle.extra, chain=handle.chain)
+        exp = describe(found, tokens, self.adapter.decode)
         miss = exp.miss
+        if miss is not None:
+            self.miss_reasons[miss.reason] = self.miss_reasons.get(miss.reason, 0) + 1
         log.debug(
             "prefix lookup: %d of %d prompt tokens cached %s; %s",
             exp.cached_tokens,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
 from pagedkv.server.dashboard import Dashboard, add_dashboard_routes
+from pagedkv.server.drift import RenderMemory
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
 from pagedkv.server.explain import ChatExplainRequest, Explainer, refuse_unknown_chat_fields
@@ -352,7 +353,7 @@ def create_app(
         check_supported(body)
         held = admit(tenant, body.n)
         with held.released_on_error():
-            ids, mode = await chat_prompt(body, tenant)
+            ids, mode = await chat_prompt(body, tenant, remember=True)
             return await generate(request, body, ids, tenant, arrived, held, mode)
 
     def admit(tenant: Tenant, n: int) -> ShareHeld:
@@ -371,15 +372,18 @@ def create_app(
         return ids, mode
 
     async def chat_prompt(
-        body: ChatCompletionRequest, tenant: Tenant
+        body: ChatCompletionRequest, tenant: Tenant, remember: bool = False
     ) -> tuple[list[int], ToolMode | None]:
         """The prompt's token ids (tools rendered by the template), and how to parse the reply.
-        Callers hold the key's share (`admit`)."""
+        Callers hold the key's share (`admit`). `remember`: a generating request's render,
+        kept for explain's `template_drift` (`Explainer.remember`)."""
         mode = tool_mode(body, state.tools)
         messages = chat_messages(body)
         render = functools.partial(
             engine.apply_chat_template, tools=template_tools(body), max_tokens=engine.max_context
         )
+        if remember:  # on the same thread, right after the render: no second hand-off
+            render = functools.partial(_render_and_remember, render, explainer, body, tenant)
         ids = await _blocking(
             render, messages, what="the chat template", pool=state.render, owner=tenant.salt
         )
@@ -397,7 +401,15 @@ def create_app(
         stats = await to_thread.run_sync(engine.cache_stats)
         return JSONResponse({"scope": "server", **stats_json(stats)})
 
-    explainer = Explainer(engine, prompt_only, state.render, on_miss=state.dashboard.explained)
+    explainer = Explainer(
+        engine,
+        prompt_only,
+        state.render,
+        metrics=state.metrics,
+        other_salts=lambda tenant: [s for s in state.keys.salts() if s != tenant.salt],
+        drift=RenderMemory(),
+        on_miss=state.dashboard.explained,
+    )
 
     @app.post("/v1/cache/explain", responses=ERRORS)
     async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:
@@ -462,6 +474,18 @@ def _document_errors(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _render_and_remember(
+    render: Callable[[list[dict[str, Any]]], list[int]],
+    explainer: Explainer,
+    body: ChatCompletionRequest,
+    tenant: Tenant,
+    messages: list[dict[str, Any]],
+) -> list[int]:
+    ids = render(messages)
+    explainer.remember(body, tenant, ids)
+    return ids
 
 
 async def _blocking(

@@ -75,6 +75,10 @@ class KeyRing:
     def lookup(self, key: str) -> Tenant | None:
         return self._tenants.get(_digest(key))
 
+    def salts(self) -> list[str]:
+        """Every key's salt, for the admin's explain (`other_tenant`); never shown."""
+        return [t.salt for t in self._tenants.values() if t.salt is not None]
+
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()

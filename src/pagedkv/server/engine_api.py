@@ -66,7 +66,11 @@ class EngineAPI(Protocol):
     def clear_cache(self) -> None: ...
 
     def explain(
-        self, prompt: str | Sequence[int], *, cache_salt: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        other_salts: Sequence[str] = (),
     ) -> CacheExplanation: ...
 
     def close(self, timeout: float = 20.0) -> None: ...

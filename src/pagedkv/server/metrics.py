@@ -9,12 +9,21 @@ are never stale and cost nothing between scrapes. Totals the engine keeps
 (bytes used, allocated blocks) as gauges. This module is the one place where
 the engine's typed statistics become Prometheus series (`_CacheCollector`) and
 JSON (`stats_json`).
+
+`pagedkv_explain_misses_total{reason, source}` counts misses by cause
+(`cache.explain.REASONS`; every reason is exported, at 0 until seen):
+`source="explain"` the answers of both explain routes that named a miss,
+`source="request"` the generating requests' misses, counted when the worker logs
+each request's attribution (log level debug, `Worker._log_lookup`); at any other
+level the requests' lookups are not explained, which would cost a second walk of
+the tiers' indexes per request.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagedkv.cache.explain import REASONS
 from pagedkv.cache.pool import PoolStats
 from pagedkv.engine.stats import EngineStats
 from pagedkv.storage.base import TierStats
@@ -90,7 +100,18 @@ class ServerMetrics:
         self.in_flight = Gauge(
             "pagedkv_requests_in_flight", "Requests the server is generating for now", registry=r
         )
-        r.register(_CacheCollector(cache_stats, active_requests))
+        self._explained: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self._explained_lock = threading.Lock()
+        r.register(_CacheCollector(cache_stats, active_requests, self.explained))
+
+    def observe_explain(self, reason: str) -> None:
+        """One explain answer named a miss of `reason`."""
+        with self._explained_lock:
+            self._explained[reason] = self._explained.get(reason, 0) + 1
+
+    def explained(self) -> dict[str, int]:
+        with self._explained_lock:
+            return dict(self._explained)
 
     def observe_result(
         self,
@@ -114,10 +135,14 @@ class _CacheCollector(Collector):
     """Reads the engine's cache statistics at scrape time."""
 
     def __init__(
-        self, cache_stats: Callable[[], EngineStats], active_requests: Callable[[], int]
+        self,
+        cache_stats: Callable[[], EngineStats],
+        active_requests: Callable[[], int],
+        explained: Callable[[], dict[str, int]],
     ) -> None:
         self._cache_stats = cache_stats
         self._active_requests = active_requests
+        self._explained = explained
 
     def describe(self) -> list[Metric]:
         return []  # unknown until the engine is asked; keeps registration side-effect free
@@ -134,9 +159,23 @@ class _CacheCollector(Collector):
             "Requests queued or running in the engine",
             value=active,
         )
+        yield _miss_metrics(self._explained(), stats.request_misses)
         if stats.cache is not None:
             yield from _tier_metrics(stats.cache.tiers)
             yield from _pool_metrics(stats.cache.pool)
+
+
+def _miss_metrics(explained: dict[str, int], requests: dict[str, int]) -> Metric:
+    family = CounterMetricFamily(
+        "pagedkv_explain_misses",
+        "Misses by cause: of explain answers (source=explain) and of requests whose "
+        "attribution the worker logged at debug level (source=request)",
+        labels=["reason", "source"],
+    )
+    for source, counts in (("explain", explained), ("request", requests)):
+        for reason in dict.fromkeys([*REASONS, *counts]):
+            family.add_metric([reason, source], float(counts.get(reason, 0)))
+    return family
 
 
 def stats_json(stats: EngineStats) -> dict[str, Any]:

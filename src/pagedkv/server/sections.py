@@ -181,3 +181,15 @@ def request_section(
     messages, tools = chat_messages(body), template_tools(body)
     render = engine.apply_chat_template
     return locate_section(render, messages, tools, prompt, len(prompt), index)
+
+
+def message_end(
+    engine: EngineAPI, body: ChatCompletionRequest, prompt: list[int], message_index: int
+) -> int | None:
+    """Where message `message_index` of a chat request ends in its prompt (the render of
+    the messages up to it, compared with the prompt); blocking: run it on a thread."""
+    messages, tools = chat_messages(body), template_tools(body)
+    k = message_index + 1
+    if k >= len(messages):
+        return len(prompt)
+    return _boundary(engine.apply_chat_template, messages, tools, prompt, k)

@@ -51,7 +51,9 @@ STREAMS: dict[int | str, dict[str, Any]] = {
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     },
 }
-ChatPrompt = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
+ChatPrompt = Callable[
+    [ChatCompletionRequest, Tenant, bool], Awaitable[tuple[list[int], ToolMode | None]]
+]
 PromptOnly = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
 StartGeneration = Callable[..., Awaitable[Generation]]
 Explain = Callable[[ChatCompletionRequest, Tenant, SectionMap], Awaitable[dict[str, Any]]]
@@ -80,7 +82,7 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
         held = ctx.admit(tenant, 1)
         with held.released_on_error():
             chat = to_chat_request(body)
-            ids, mode = await ctx.chat_prompt(chat, tenant)
+            ids, mode = await ctx.chat_prompt(chat, tenant, True)
             gen = await ctx.start_generation(request, chat, ids, tenant, arrived, held, mode)
         options = ReplyOptions(
             model=ctx.model_name,

@@ -78,8 +78,8 @@ class KeyTotals:
 
 @dataclass(frozen=True, slots=True)
 class Miss:
-    """Where a prompt stopped matching the cache. `reason` is explain's word (`new`,
-    `diverged`, `evicted`) or None when nothing explained it (a generation request:
+    """Where a prompt stopped matching the cache. `reason` is explain's word (one of
+    `cache.explain.REASONS`) or None when nothing explained it (a generation request:
     its lookup gives the position only); `section` is the prompt part named by
     explain (`server/sections.py`), None when unknown."""
 

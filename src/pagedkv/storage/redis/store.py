@@ -48,6 +48,10 @@ from pagedkv.storage.redis.children import MAX_CHILDREN, add_child, child_member
 from pagedkv.storage.redis.format import MAC_FAILED, VERSION, check_frame, encode_frame
 from pagedkv.storage.redis.writer import WriteQueue
 from pagedkv.storage.secret import CacheSecret
+from pagedkv.storage.ssd.namespaces import NamespaceInfo, description_from_json, description_json
+
+# field: namespace, value: its writer's description (`NamespaceInfo` as JSON)
+NAMESPACES_KEY = "pagedkv:namespaces"
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,7 @@ class RedisStore(KVTier):
         backoff_max_s: float = 30.0,
         secret: CacheSecret | None = None,
         cluster: bool = False,
+        description: NamespaceInfo | None = None,
     ) -> None:
         if ":" in namespace:
             raise ValueError(
@@ -123,6 +128,10 @@ class RedisStore(KVTier):
             )
         self.namespace = namespace
         self.cluster = cluster
+        # Who writes this namespace, kept in the `NAMESPACES_KEY` hash with the first
+        # write (explain's `identity_changed` reads the others').
+        self.description = description
+        self._described = description is None
         self._url = url
         self._timeouts = (socket_timeout, max(socket_timeout, WRITE_TIMEOUT_S))
         self._clients: tuple[Any, Any] | None = None
@@ -246,6 +255,33 @@ class RedisStore(KVTier):
 
         ok, found = self._call(op)
         return [bool(x) for x in found] if ok and found is not None else [False] * len(hashes)
+
+    def contains_in(self, namespace: str, hashes: Sequence[bytes]) -> list[bool]:
+        """`contains` for another namespace's blocks (explain's `identity_changed`)."""
+        if not hashes or ":" in namespace:
+            return [False] * len(hashes)
+        prefix = f"pagedkv:{namespace}:v{VERSION}:"
+
+        def op() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.exists(prefix + h.hex())
+            return pipe.execute()
+
+        ok, found = self._call(op)
+        return [bool(x) for x in found] if ok and found is not None else [False] * len(hashes)
+
+    def other_namespaces(self) -> dict[str, NamespaceInfo | None]:
+        """The other namespaces whose writers described themselves here (at most 32)."""
+        ok, raw = self._call(
+            lambda: cast("dict[bytes, bytes]", self.client.hgetall(NAMESPACES_KEY))
+        )
+        out: dict[str, NamespaceInfo | None] = {}
+        for name, value in (raw or {}).items() if ok else ():
+            ns = name.decode(errors="replace")
+            if ns != self.namespace and ":" not in ns and len(out) < 32:
+                out[ns] = description_from_json(value, ns)
+        return out
 
     def get(self, hashes: Sequence[bytes]) -> list[KVBlock | None]:
         if not hashes:
@@ -436,12 +472,16 @@ class RedisStore(KVTier):
                 add_child(pipe, self._children_key(meta.parent_key), child_member(meta))
             if self._seed is not None and self.secret is None:
                 pipe.set(SEED_KEY, self._seed, nx=True)
+            if not self._described and self.description is not None:
+                pipe.hsetnx(NAMESPACES_KEY, self.namespace,
+                            description_json(self.namespace, self.description))  # fmt: skip
             return pipe.execute(raise_on_error=False)
 
         ok, results = self._call(op)
         if not ok or results is None:
             self._count(writes_dropped=len(batch))
             return
+        self._described = True
         written = [not isinstance(r, Exception) for r in results[0 : 2 * len(batch) : 2]]
         nbytes = sum(len(f) for f, w in zip(frames, written, strict=True) if w)
         self._count(

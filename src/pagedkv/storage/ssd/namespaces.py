@@ -149,3 +149,37 @@ def record_namespace(root: Path, namespace: str, info: NamespaceInfo) -> bool:
         log.debug("namespace %s: description not written (%s)", namespace, exc)
         return False
     return True
+
+
+def described_namespaces(root: Path, limit: int = 32) -> dict[str, NamespaceInfo | None]:
+    """The namespaces with a description file, at most `limit` of them (the most
+    recently written first), each with its description (None when unreadable)."""
+    folder = root / NAMESPACES_DIR
+    try:
+        entries = [e for e in os.scandir(folder) if e.name.endswith(".json") and e.is_file()]
+    except OSError:
+        return {}
+    entries.sort(key=lambda e: -e.stat(follow_symlinks=False).st_mtime)
+    out: dict[str, NamespaceInfo | None] = {}
+    for entry in entries:
+        name = entry.name[: -len(".json")]
+        if _NAME_RE.fullmatch(name) and len(out) < limit:
+            out[name] = read_namespace(root, name)
+    return out
+
+
+def description_json(namespace: str, info: NamespaceInfo) -> bytes:
+    """`info` as the JSON a description file holds (the Redis tier keeps the same)."""
+    fields: dict[str, Any] = {"namespace": namespace, **asdict(info)}
+    fields["first_seen"] = info.first_seen or round(time.time(), 3)
+    return json.dumps(fields, sort_keys=True).encode()
+
+
+def description_from_json(raw: bytes, namespace: str) -> NamespaceInfo | None:
+    """A description read from elsewhere than a file (Redis): bounded, total."""
+    if len(raw) > MAX_DESCRIPTION_BYTES:
+        return None
+    try:
+        return _parse(json.loads(raw), namespace)
+    except (ValueError, UnicodeDecodeError):
+        return None

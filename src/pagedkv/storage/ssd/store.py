@@ -66,7 +66,7 @@ from pagedkv.storage.ssd.maintenance import (
     reconcile,
     unlink_quiet,
 )
-from pagedkv.storage.ssd.namespaces import NamespaceInfo, record_namespace
+from pagedkv.storage.ssd.namespaces import NamespaceInfo, described_namespaces, record_namespace
 from pagedkv.storage.ssd.ownership import check_directory, make_private_dir
 from pagedkv.storage.ssd.reader import BlockReader, ReadBatch, ReadPath, ReadPathChooser
 from pagedkv.storage.ssd.safefile import BadCacheFileError
@@ -389,6 +389,22 @@ class SSDStore(KVTier):
         self._check_pid()
         self._writer.cancel(hashes)
         self._discard(list(hashes))
+
+    def other_namespaces(self) -> dict[str, NamespaceInfo | None]:
+        """The directory's other described namespaces (explain's `identity_changed`)."""
+        found = described_namespaces(self.directory)
+        found.pop(self.namespace, None)
+        return found
+
+    def contains_in(self, namespace: str, hashes: Sequence[bytes]) -> list[bool]:
+        """`contains` for another namespace's blocks in this directory (index only)."""
+        self._check_pid()
+        try:
+            stored = self._index.present(list(hashes), namespace)
+        except sqlite3.Error:
+            self._counters.add("errors")
+            stored = set()
+        return [h in stored for h in hashes]
 
     def children(self, parent_key: bytes) -> list[BlockMeta]:
         self._check_pid()
