@@ -59,7 +59,8 @@ class Scheduler:
 
     Order: decoding sequences always run (one token each), so a prefill never
     stalls them for more than one step; prefill chunks fill what the step's
-    token budget leaves, oldest sequence first. When a running sequence
+    token budget leaves, oldest sequence first, background requests
+    (`Request.background`) after every other. When a running sequence
     outgrows its buffer and the budget cannot cover it, the newest sequence is
     preempted (it may be the growing one itself).
 
@@ -91,6 +92,9 @@ class Scheduler:
         # Capacity of freed KV buffers the engine keeps for reuse; counted against the
         # budget like a reservation, and given up before anything waits or is preempted.
         self.spare_tokens = 0
+        # A background prefill shares a prompt's prefix when it shares this many tokens
+        # (the engine sets its block size): below that it stores nothing the prompt reuses.
+        self.min_shared_tokens = 1
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._order = 0
@@ -133,7 +137,44 @@ class Scheduler:
     # -- queues -------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq`: a background one (`Request.background`) at the end, any other
+        ahead of every waiting background one, so work the server starts on its own
+        never delays a client's request. A background request whose prompt shares a
+        prefix with `seq`'s is computing what `seq` would: it is promoted ahead of
+        `seq` (running, or waiting among the others), and `seq` waits for it to end
+        (`Sequence.wait_for`), then restores that prefix instead of computing it too."""
+        req = seq.request
+        if req.background:
+            self.waiting.append(seq)
+            return
+        feeder = self._feeder(seq)
+        if feeder is not None:
+            feeder.request.background = False
+            seq.wait_for = feeder.request
+            if feeder in self.waiting:
+                self.waiting.remove(feeder)
+                self._queue_ahead_of_background(feeder)
+        self._queue_ahead_of_background(seq)
+
+    def _queue_ahead_of_background(self, seq: Sequence) -> None:
+        for i, other in enumerate(self.waiting):
+            if other.request.background:
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
+
+    def _feeder(self, seq: Sequence) -> Sequence | None:
+        """A background sequence of the same cache extras whose prompt shares at least a
+        block's worth of `seq`'s (`min_shared_tokens`), if any."""
+        req = seq.request
+        for other in [*self.running, *self.waiting]:
+            o = other.request
+            if not o.background or o.extra != req.extra:
+                continue
+            n = min(len(o.prompt), len(req.prompt))
+            if n >= self.min_shared_tokens and o.prompt[:n] == req.prompt[:n]:
+                return other
+        return None
 
     def admit(self, seq: Sequence) -> None:
         """Move `seq` from waiting to running (the engine has reserved its KV)."""
@@ -165,6 +206,8 @@ class Scheduler:
         head = self.waiting[0]
         if head is not self._head:
             self._head, self.head_bypassed = head, 0
+        if _held(head):
+            return None
         if self.fits(self.admission_tokens(head)):
             return head
         if self.head_bypassed >= self.config.max_head_bypass:
@@ -177,7 +220,7 @@ class Scheduler:
         firsts: dict[str, Sequence] = {}
         for seq in self.waiting:
             owner = _owner(seq)
-            if owner != head_owner and owner not in firsts:
+            if owner != head_owner and owner not in firsts and not _held(seq):
                 firsts[owner] = seq
         fitting = sorted(o for o, s in firsts.items() if self.fits(self.admission_tokens(s)))
         if not fitting:
@@ -209,6 +252,7 @@ class Scheduler:
                 budget -= 1
             elif seq.num_pending > 1:
                 prefilling.append(seq)
+        prefilling.sort(key=lambda s: s.request.background)  # stable: oldest first within
         for seq in prefilling:
             if self.config.deterministic:
                 take = min(seq.num_pending, self.config.prefill_chunk)
@@ -226,3 +270,8 @@ class Scheduler:
 def _owner(seq: Sequence) -> str:
     """Who sent `seq`'s request ("" for no one in particular: one owner)."""
     return seq.request.owner or ""
+
+
+def _held(seq: Sequence) -> bool:
+    """Whether `seq` waits for a prefill that computes its prefix (`Scheduler.add`)."""
+    return seq.wait_for is not None and seq.wait_for.num_open > 0
