@@ -36,7 +36,9 @@ def _turns(eng: Engine) -> tuple[list[int], list[int], int, int]:
     return second, out.token_ids, upto, out.cached_tokens
 
 
-def test_the_render_test_finds_which_template_strips(tiny_reasoning_dir: Path, tiny_qwen2_dir: Path) -> None:
+def test_the_render_test_finds_which_template_strips(
+    tiny_reasoning_dir: Path, tiny_qwen2_dir: Path
+) -> None:
     with _engine(tiny_reasoning_dir) as eng:
         assert eng.reasoning.strips is True and eng.reasoning.active
     with _engine(tiny_qwen2_dir) as eng:  # plain ChatML keeps every turn as it was
@@ -44,7 +46,12 @@ def test_the_render_test_finds_which_template_strips(tiny_reasoning_dir: Path, t
         history = [{"role": "user", "content": "hello"}]
         ids = eng.apply_chat_template(history)
         r = eng.generate(ids, GREEDY)
-        assert eng.store_next_turn([*history, {"role": "assistant", "content": r.text}], ids + r.token_ids) is None
+        assert (
+            eng.store_next_turn(
+                [*history, {"role": "assistant", "content": r.text}], ids + r.token_ids
+            )
+            is None
+        )
     with _engine(tiny_reasoning_dir, mode="off") as eng:
         assert eng.reasoning.strips is True and not eng.reasoning.active
     with _engine(tiny_qwen2_dir, mode="on") as eng:
@@ -84,7 +91,9 @@ def test_a_tool_turn_keeps_its_reasoning_a_user_turn_drops_it(tiny_reasoning_dir
 
 def test_prewarm_stores_the_prompt_and_a_request_then_hits(tiny_reasoning_dir: Path) -> None:
     with _engine(tiny_reasoning_dir) as eng:
-        ids = eng.apply_chat_template([{"role": "user", "content": "A long shared system part " * 4}])
+        ids = eng.apply_chat_template(
+            [{"role": "user", "content": "A long shared system part " * 4}]
+        )
         warm = eng.prewarm(ids)
         assert warm.token_ids == [] and warm.finish_reason == "stored"
         assert warm.cached_tokens == 0 and warm.stored_tokens == len(ids)

@@ -6,9 +6,9 @@ answer starts as reasoning. An assistant turn of the current tool loop (after th
 last user message) renders as it was generated; an earlier one loses its
 `<think>` header and everything up to its last `</think>` (Qwen3's
 `content.split('</think>')[-1]`). Tool results render as user turns wrapped in
-`<tool_response>`, and do not start a new loop. The `agent-reasoning` bench
-workload serves the model under test with it, and the tests serve a tiny model
-with it (`tests/fixtures_models.py`).
+`<tool_response>`, and do not start a new loop. The tests serve a tiny model
+with it (`tiny_reasoning_dir` in `tests/fixtures_models.py`); it lives under
+`bench/` for the planned `agent-reasoning` workload (not built yet).
 """
 
 REASONING_CHAT_TEMPLATE = (
@@ -31,7 +31,8 @@ REASONING_CHAT_TEMPLATE = (
     "{{- '<tool_call>' + (call['function'] | tojson) + '</tool_call>' -}}{%- endfor -%}"
     "{{- '<|im_end|>\n' -}}"
     "{%- elif m['role'] == 'tool' -%}"
-    "{{- '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' -}}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + m['content'] -}}"
+    "{{- '\n</tool_response><|im_end|>\n' -}}"
     "{%- else -%}"
     "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' -}}"
     "{%- endif -%}"

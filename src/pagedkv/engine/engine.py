@@ -16,8 +16,8 @@ from pagedkv.cache.hashing import ExtraKeys
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
 from pagedkv.config import CacheConfig, default_kv_budget_bytes
-from pagedkv.engine.explain import CacheExplanation, caching_off, describe
 from pagedkv.engine import reasoning
+from pagedkv.engine.explain import CacheExplanation, caching_off, describe
 from pagedkv.engine.grammar import GrammarCompiler
 from pagedkv.engine.reasoning import NextTurn, ReasoningPolicy
 from pagedkv.engine.request import GenerationResult, Request, RequestStream
@@ -144,7 +144,9 @@ class Engine:
         mode = self.config.reasoning_cache
         has_template = isinstance(getattr(self.adapter.tokenizer, "chat_template", None), str)
         render = self.apply_chat_template if has_template and self.prefix is not None else None
-        found = reasoning.policy(mode, render, functools.partial(self.decode, skip_special_tokens=False))
+        found = reasoning.policy(
+            mode, render, functools.partial(self.decode, skip_special_tokens=False)
+        )
         log.info("reasoning-aware storing: %s", found.describe())
         return found
 
@@ -196,6 +198,12 @@ class Engine:
     def sampling_defaults(self) -> SamplingDefaults:
         """The model's recommended sampling values, for fields a request leaves out."""
         return getattr(self.adapter, "sampling_defaults", None) or SamplingDefaults()
+
+    @property
+    def reasoning_active(self) -> bool:
+        """Whether finished turns are also stored in the next prompt's form
+        (`store_next_turn`, `engine.reasoning`)."""
+        return self.reasoning.active
 
     @property
     def healthy(self) -> bool:
@@ -327,7 +335,11 @@ class Engine:
         and it ends with one finished event, no token, finish_reason "stored":
         `cached_tokens` were found before, `stored_tokens` are held after.
         `background`: behind every other request (`Scheduler.add`)."""
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else _check_ids(prompt, self.vocab_size)
+        ids = (
+            self.tokenize(prompt)
+            if isinstance(prompt, str)
+            else _check_ids(prompt, self.vocab_size)
+        )
         params = SamplingParams(max_tokens=1, temperature=0.0)
         req = self._submit(ids, params, cache_salt, owner, prefill_only=True, background=background)
         return RequestStream(req)

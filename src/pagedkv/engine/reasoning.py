@@ -51,7 +51,8 @@ class ReasoningPolicy:
 
     def describe(self) -> str:
         found = {True: "strips reasoning", False: "keeps reasoning", None: "untested"}
-        return f"{'on' if self.active else 'off'} (--reasoning-cache {self.mode}; template {found[self.strips]})"
+        state = "on" if self.active else "off"
+        return f"{state} (--reasoning-cache {self.mode}; template {found[self.strips]})"
 
 
 def template_strips(render: Render, decode: Callable[[Sequence[int]], str]) -> bool | None:
@@ -71,10 +72,14 @@ def template_strips(render: Render, decode: Callable[[Sequence[int]], str]) -> b
     return _PROBE not in text
 
 
-def policy(mode: str, render: Render | None, decode: Callable[[Sequence[int]], str]) -> ReasoningPolicy:
+def policy(
+    mode: str, render: Render | None, decode: Callable[[Sequence[int]], str]
+) -> ReasoningPolicy:
     """The policy for `mode` and the model's template (`render`; None: no template)."""
     if mode not in REASONING_MODES:
-        raise ValueError(f"reasoning_cache must be one of {', '.join(REASONING_MODES)}, got {mode!r}")
+        raise ValueError(
+            f"reasoning_cache must be one of {', '.join(REASONING_MODES)}, got {mode!r}"
+        )
     strips = template_strips(render, decode) if render is not None else None
     active = mode == "on" or (mode == "auto" and strips is True)
     return ReasoningPolicy(mode, strips, active and render is not None)

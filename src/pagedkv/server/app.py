@@ -40,7 +40,7 @@ from pagedkv.server.authn import AuthMiddleware, TenantDep
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
 from pagedkv.server.explain import ChatExplainRequest, Explainer, refuse_unknown_chat_fields
-from pagedkv.server.generation import Generation, Options
+from pagedkv.server.generation import Generation, Options, history_message
 from pagedkv.server.http_errors import APIError, bad_request, hidden_error, shutting_down
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
@@ -58,6 +58,7 @@ from pagedkv.server.prepare import (
     max_new_tokens,
     sampling_params,
 )
+from pagedkv.server.prewarm import AfterTurn, PrewarmContext, add_prewarm_route
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -243,6 +244,9 @@ def create_app(
             held.release()
             results = [gen.results[i] for i in sorted(gen.results)]
             state.ledger.finished(tenant, results, complete=gen.done)
+            if isinstance(body, ChatCompletionRequest) and gen.done and len(results) == 1:
+                message = history_message(results[0], tools)
+                after_turn.finished(body, ids, results[0], message, salt, tenant.salt)
 
         state.ledger.started(tenant)
         gen = Generation(
@@ -388,6 +392,8 @@ def create_app(
         return JSONResponse({"scope": "server", **stats_json(stats)})
 
     explainer = Explainer(engine, prompt_only, state.render)
+    after_turn = AfterTurn(engine, state.render)
+    add_prewarm_route(app, PrewarmContext(engine, state.model_name, check_open, chat_prompt, admit))
 
     @app.post("/v1/cache/explain", responses=ERRORS)
     async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:
