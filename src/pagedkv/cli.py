@@ -346,7 +346,7 @@ def _add_workload_flags(bench: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--workload",
         action="append",
-        choices=["chat", "agent", "shared-prefix", "restart"],
+        choices=["chat", "agent", "agent-reasoning", "shared-prefix", "restart"],
         help="workload to run (repeatable; default: all)",
     )
     g.add_argument(

@@ -75,6 +75,26 @@ def test_next_turn_hits_up_to_its_new_message_and_answers_as_fresh(
         assert cold.generate(prompt_off, GREEDY).token_ids == answer_off
 
 
+def test_explain_names_the_stripped_reasoning(tiny_reasoning_dir: Path) -> None:
+    with _engine(tiny_reasoning_dir, mode="off") as eng:
+        history = [{"role": "user", "content": "Plan the release of the cache."}]
+        first = eng.apply_chat_template(history)
+        r = eng.generate(first, GREEDY)
+        history += [
+            {"role": "assistant", "content": r.text},
+            {"role": "user", "content": "Next."},
+        ]
+        second = eng.apply_chat_template(history)
+        exp = eng.explain(second)
+        assert exp.miss is not None and exp.miss.reason == "reasoning_stripped"
+        shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+        assert exp.miss.token_index == exp.cached_tokens == shared  # where <think> began
+        assert eng.decode(first[shared:]).startswith("<think>")
+        # A prompt that diverges elsewhere is only 'diverged'.
+        other = eng.explain(first[:20] + eng.encode_continuation(" something else entirely"))
+        assert other.miss is not None and other.miss.reason == "diverged"
+
+
 def test_a_tool_turn_keeps_its_reasoning_a_user_turn_drops_it(tiny_reasoning_dir: Path) -> None:
     """After a tool call the next prompt's form keeps the whole turn (its prompt, think
     header included); after an answer it drops the think header the prompt ended with."""

@@ -122,3 +122,22 @@ def test_prewarm_takes_the_keys_share(server: ServerProc) -> None:
                 break
             time.sleep(0.1)
         assert r.status_code == 200, r.text
+
+
+def test_explain_names_stripped_reasoning(server_off: ServerProc) -> None:
+    """Without the store, turn 2's miss is where turn 1's reasoning began; the answer
+    quotes only this prompt's own text."""
+    with server_off.http() as http:
+        history: list[dict[str, Any]] = [{"role": "user", "content": "[e] Plan the tests."}]
+        first = _chat(http, history)
+        answer = first["choices"][0]["message"]["content"]
+        history += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And then?"},
+        ]
+        r = http.post("/v1/cache/explain", json={"messages": history})
+        assert r.status_code == 200, r.text
+        miss = r.json()["miss"]
+        assert miss["reason"] == "reasoning_stripped"
+        assert "<think>" not in miss["detail"]  # what the cached turn had there is not shown
+        assert r.json()["cached_tokens"] == miss["token_index"]

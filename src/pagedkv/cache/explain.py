@@ -32,7 +32,7 @@ from pagedkv.cache.history import CacheHistory, Departure, common_prefix
 from pagedkv.cache.pool import BlockPool
 from pagedkv.cache.tiers import LowerTiers
 
-Reason = Literal["new", "diverged", "evicted"]
+Reason = Literal["new", "diverged", "evicted", "reasoning_stripped"]
 TIER_NAMES = ("ram", "ssd", "redis")
 
 
@@ -58,8 +58,16 @@ class PrefixExplanation:
 
 
 def explain_lookup(
-    pool: BlockPool, lower: LowerTiers, history: CacheHistory, chain: HashChain
+    pool: BlockPool,
+    lower: LowerTiers,
+    history: CacheHistory,
+    chain: HashChain,
+    think: np.ndarray | None = None,
 ) -> PrefixExplanation:
+    """`think`: the token ids that open a reasoning block, for a model whose template
+    strips reasoning: a diverged miss where the cached child went on with them and the
+    prompt does not is `reasoning_stripped` (a yes/no about a fixed marker, compared
+    here like the lengths of agreement; the child's tokens never leave)."""
     bs = pool.block_size
     tokens = np.asarray(chain.tokens, dtype=np.int32)
     num_prompt = chain.num_tokens
@@ -85,16 +93,20 @@ def explain_lookup(
     key = chain.parent_keys[num_full]
     partial, partial_tier = 0, "ram"
     any_live = False  # a child of `key` is cached in some tier (its tokens are not kept)
+    children: list[bytes] = []  # compared below, never kept or returned
     if len(rest):
         if not run:  # like restore_into: a RAM partial only right after the RAM run
             live = pool.peek_children(key)
             any_live = bool(live)
+            children += live
             partial = max((common_prefix(t, rest) for t in live), default=0)
         if lower and partial == 0:
             for tier in lower.tiers:
                 for meta in tier.children(key):
                     any_live = True
-                    n = common_prefix(meta.token_ids.astype("<i4").tobytes(), rest)
+                    child = meta.token_ids.astype("<i4").tobytes()
+                    children.append(child)
+                    n = common_prefix(child, rest)
                     if n > partial:
                         partial, partial_tier = n, tier.name
     matched = num_full * bs + partial
@@ -109,7 +121,29 @@ def explain_lookup(
         return PrefixExplanation(num_prompt, cached, tiers, None)
     names = tuple(t.name for t in lower.tiers)
     miss = _cause(history, key, rest, partial, matched, any_live, names)
+    if (
+        miss.reason == "diverged"
+        and think is not None
+        and _stripped(children, rest, partial, think)
+    ):
+        miss = MissCause(matched, "reasoning_stripped", None, names)
     return PrefixExplanation(num_prompt, cached, tiers, miss)
+
+
+def _stripped(children: list[bytes], rest: np.ndarray, at: int, think: np.ndarray) -> bool:
+    """Whether a child agreeing with `rest` up to `at` goes on there with `think`'s tokens
+    (as far as the block holds them) while `rest` does not."""
+    ours = rest[at : at + len(think)]
+    if len(ours) and len(ours) == len(think) and np.array_equal(ours, think):
+        return False
+    for child in children:
+        theirs = np.frombuffer(child, dtype="<i4")
+        if common_prefix(child, rest) != at or len(theirs) <= at:
+            continue
+        k = min(len(think), len(theirs) - at)
+        if np.array_equal(theirs[at : at + k], think[:k]):
+            return True
+    return False
 
 
 def _cause(

@@ -80,13 +80,19 @@ class PrefixCache:
             self.history.record(block.parent_key, block.token_ids, "ram", reason)
 
     def explain(
-        self, tokens: TokenIds, extra: ExtraKeys | None = None, chain: HashChain | None = None
+        self,
+        tokens: TokenIds,
+        extra: ExtraKeys | None = None,
+        chain: HashChain | None = None,
+        think: Sequence[int] | None = None,
     ) -> PrefixExplanation:
         """What a request for `tokens` would reuse now, and why not more; read-only and
-        safe on any thread (see `cache.explain`)."""
+        safe on any thread (see `cache.explain`; `think`: the ids that open a reasoning
+        block, for a template that strips reasoning)."""
         if chain is None:
             chain = self.hasher.chain(tokens, extra)
-        return explain_lookup(self.pool, self.lower, self.history, chain)
+        marker = np.asarray(think, dtype=np.int32) if think else None
+        return explain_lookup(self.pool, self.lower, self.history, chain, marker)
 
     def begin(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> RequestCache:
         """The handle of one request whose prompt is `tokens`; hashes the prompt."""

@@ -121,6 +121,9 @@ class Engine:
         adapter.set_kv_dtype(self.config.kv_dtype)
         self.prefix = self._build_prefix_cache()
         self.reasoning = self._reasoning_policy()
+        # The ids that open a reasoning block, for explain's `reasoning_stripped`.
+        strips = self.reasoning.strips
+        self._think_ids = self.encode_continuation(reasoning.THINK_OPEN) if strips else None
         budget = self.config.kv_budget_bytes
         self.kv_budget_bytes = default_kv_budget_bytes() if budget is None else budget
         per_token = adapter.kv_bytes_per_token
@@ -466,7 +469,8 @@ class Engine:
         if self.prefix is None:
             return caching_off(len(ids), self.caching_off_reason)
         extra = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
-        return describe(self.prefix.explain(ids, extra), ids, self.decode)
+        found = self.prefix.explain(ids, extra, think=self._think_ids)
+        return describe(found, ids, self.decode)
 
     def clear_cache(self) -> None:
         """Forget this model's unreferenced cached blocks in every tier (other models'
