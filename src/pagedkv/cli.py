@@ -347,7 +347,7 @@ def _add_workload_flags(bench: argparse.ArgumentParser) -> None:
         "--workload",
         action="append",
         choices=["chat", "agent", "agent-reasoning", "shared-prefix", "restart"],
-        help="workload to run (repeatable; default: all)",
+        help="workload to run (repeatable; default: all but agent-reasoning)",
     )
     g.add_argument(
         "--quick", action="store_true", help="small sizes, minutes not hours (default: full)"

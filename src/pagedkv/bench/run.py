@@ -35,7 +35,7 @@ from pagedkv.bench.concurrent import run_steps
 from pagedkv.bench.ideal import IdealCache
 from pagedkv.bench.render import Renderer
 from pagedkv.bench.report import RequestRecord, format_table, summarize, write_json, write_plot
-from pagedkv.bench.workloads import WORKLOADS, Message, Workload, build_workload
+from pagedkv.bench.workloads import DEFAULT_WORKLOADS, Message, Workload, build_workload
 from pagedkv.config import CacheConfig, default_ssd_cache_dir
 
 WARMUP_TEXT = "Warm-up request: say hello."
@@ -54,8 +54,15 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    names = list(args.workload or WORKLOADS)
+    names = list(args.workload or DEFAULT_WORKLOADS)
     size = bench_size(args)
+    if args.url and "agent-reasoning" in names:
+        print(
+            "the agent-reasoning workload serves the model under a chat template of its "
+            "own, which a remote server does not use: run it without --url",
+            file=sys.stderr,
+        )
+        return 2
     if args.url:
         from pagedkv.bench.remote import run_remote
 

@@ -113,6 +113,9 @@ SHAPES: dict[str, dict[str, Shape]] = {
 # fmt: on
 
 WORKLOADS = tuple(SHAPES)
+# What `pagedkv bench` runs when no --workload is given: agent-reasoning serves the model
+# under a template of ours and is asked for by name.
+DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w != "agent-reasoning")
 
 _WORD_TEXT = """
 the of and to in is that for it as with was on be by at this from have or an are not
