@@ -164,15 +164,18 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _feeder(self, seq: Sequence) -> Sequence | None:
-        """A background sequence of the same cache extras whose prompt shares at least a
-        block's worth of `seq`'s (`min_shared_tokens`), if any."""
+        """A background sequence of the same cache extras whose whole prompt, but for at
+        most its last block (`min_shared_tokens`, so a token merged across the boundary
+        does not matter), begins `seq`'s, if any: it computes the form of a turn that
+        `seq` continues. Rejected: any shared first block, which made every session of
+        a key that shares a system prompt wait for another session's store."""
         req = seq.request
         for other in [*self.running, *self.waiting]:
             o = other.request
             if not o.background or o.extra != req.extra:
                 continue
-            n = min(len(o.prompt), len(req.prompt))
-            if n >= self.min_shared_tokens and o.prompt[:n] == req.prompt[:n]:
+            m = max(len(o.prompt) - self.min_shared_tokens, self.min_shared_tokens)
+            if len(req.prompt) >= m and o.prompt[:m] == req.prompt[:m]:
                 return other
         return None
 
