@@ -25,12 +25,14 @@ from typing import Any
 import pytest
 
 __all__ = [
+    "REASONING_CHAT_TEMPLATE",
     "TINY_CHAT_TEMPLATE",
     "TOOLS_CHAT_TEMPLATE",
     "make_tiny_model",
     "make_tiny_tokenizer",
     "tiny_llama_dir",
     "tiny_qwen2_dir",
+    "tiny_reasoning_dir",
     "tiny_sliding_dir",
 ]
 
@@ -60,6 +62,9 @@ TOOLS_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+# Strips reasoning from earlier assistant turns the way Qwen3's template does (ours).
+from pagedkv.bench.reasoning_template import REASONING_CHAT_TEMPLATE  # noqa: E402
 
 _CORPUS = """\
 A cache keeps the answers to questions that were asked before, so that asking
@@ -261,3 +266,10 @@ def tiny_sliding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         seed=2,
         sliding_window=16,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoning_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 whose chat template strips earlier turns' reasoning, Qwen3-style."""
+    path = tmp_path_factory.mktemp("tiny-reasoning") / "model"
+    return make_tiny_model(path, arch="qwen2", seed=1, chat_template=REASONING_CHAT_TEMPLATE)

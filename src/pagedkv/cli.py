@@ -346,8 +346,8 @@ def _add_workload_flags(bench: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--workload",
         action="append",
-        choices=["chat", "agent", "shared-prefix", "restart"],
-        help="workload to run (repeatable; default: all)",
+        choices=["chat", "agent", "agent-reasoning", "shared-prefix", "restart"],
+        help="workload to run (repeatable; default: all but agent-reasoning)",
     )
     g.add_argument(
         "--quick", action="store_true", help="small sizes, minutes not hours (default: full)"

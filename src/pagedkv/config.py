@@ -107,6 +107,9 @@ class CacheConfig:
     # Models with recurrent layers: snapshot the state every this many blocks.
     snapshot_interval_blocks: int = 1
     kv_dtype: str = "auto"  # one of KV_DTYPES; part of the namespace
+    # Store each finished turn in the next prompt's form too when the chat template strips
+    # reasoning: "auto" (a render test decides), "on", "off" (`engine.reasoning`).
+    reasoning_cache: str = "auto"
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -118,6 +121,10 @@ class CacheConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}"
+            )
+        if self.reasoning_cache not in ("auto", "on", "off"):
+            raise ValueError(
+                f"reasoning_cache must be 'auto', 'on' or 'off'; got {self.reasoning_cache!r}"
             )
         if self.redis_cluster and not self.redis_url:
             raise ValueError(

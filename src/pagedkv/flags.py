@@ -134,6 +134,14 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         help="models with recurrent layers: keep a snapshot of their state every this many "
         "blocks (default 1; a hit resumes from the last snapshot)",
     )
+    g.add_argument(
+        "--reasoning-cache",
+        choices=("auto", "on", "off"),
+        default=env("--reasoning-cache", "auto"),
+        help="after a chat turn, also store it in the form the next request sends when the "
+        "chat template strips reasoning from earlier turns (Qwen3-style): auto (a render "
+        "test of the template decides at load), on, off (default auto)",
+    )
 
 
 def add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -193,4 +201,5 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         enable_prefix_caching=not args.no_prefix_cache,
         snapshot_interval_blocks=getattr(args, "snapshot_interval_blocks", 1),
         kv_dtype=getattr(args, "kv_dtype", "auto"),
+        reasoning_cache=getattr(args, "reasoning_cache", "auto"),
     )

@@ -138,6 +138,8 @@ def main() -> int:
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
     p.add_argument("--drain-timeout", type=float, default=5.0)
+    p.add_argument("--reasoning-cache", default="auto")
+    p.add_argument("--max-requests-per-key", type=int, default=None)
     # Passed on only when given, so that a test of an older run_server fails on its
     # behaviour rather than on an unknown keyword.
     limits: dict[str, type] = {
@@ -161,7 +163,10 @@ def main() -> int:
         ssd_cache_dir=a.ssd_cache_dir,
         kv_dtype=a.kv_dtype,
         snapshot_interval_blocks=a.snapshot_interval_blocks,
+        reasoning_cache=a.reasoning_cache,
     )
+    if a.max_requests_per_key is not None:
+        extra["max_requests_per_key"] = a.max_requests_per_key
     engine = Engine.from_pretrained(
         a.model, config=cache, device="cpu", dtype="float32", max_queue=a.max_queue
     )

@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REUSE_TARGET = {"chat": 0.98, "agent": 0.98, "shared-prefix": 0.98, "restart": 0.95}
+REUSE_TARGET = {
+    "chat": 0.98,
+    "agent": 0.98,
+    "agent-reasoning": 0.98,
+    "shared-prefix": 0.98,
+    "restart": 0.95,
+}
 
 
 @dataclass(slots=True)

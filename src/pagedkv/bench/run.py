@@ -36,7 +36,7 @@ from pagedkv.bench.html_report import write_html
 from pagedkv.bench.ideal import IdealCache
 from pagedkv.bench.render import Renderer
 from pagedkv.bench.report import RequestRecord, format_table, summarize, write_json, write_plot
-from pagedkv.bench.workloads import WORKLOADS, Message, Workload, build_workload
+from pagedkv.bench.workloads import DEFAULT_WORKLOADS, Message, Workload, build_workload
 from pagedkv.config import CacheConfig, default_ssd_cache_dir
 
 WARMUP_TEXT = "Warm-up request: say hello."
@@ -55,8 +55,15 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    names = list(args.workload or WORKLOADS)
+    names = list(args.workload or DEFAULT_WORKLOADS)
     size = bench_size(args)
+    if args.url and "agent-reasoning" in names:
+        print(
+            "the agent-reasoning workload serves the model under a chat template of its "
+            "own, which a remote server does not use: run it without --url",
+            file=sys.stderr,
+        )
+        return 2
     if args.url:
         from pagedkv.bench.remote import run_remote
 
@@ -131,10 +138,30 @@ def run_workload(
     scheduling: Any = None,
 ) -> dict[str, Any]:
     """The cached pass (online conversation), then the cold replay of its measured prompts,
-    each with `concurrency` users at once."""
+    each with `concurrency` users at once, under the workload's chat template if it has one."""
+    own_template = adapter.tokenizer.chat_template
+    if workload.chat_template is not None:  # put back in the `finally` below
+        adapter.tokenizer.chat_template = workload.chat_template
+    try:
+        return _run_workload(adapter, workload, config, concurrency, scheduling)
+    finally:
+        adapter.tokenizer.chat_template = own_template
+
+
+def _run_workload(
+    adapter: Any,
+    workload: Workload,
+    config: CacheConfig,
+    concurrency: int,
+    scheduling: Any,
+) -> dict[str, Any]:
     from pagedkv.engine import Engine, SamplingParams
+    from pagedkv.engine.reasoning import next_turn_ids
 
     render = Renderer(adapter.apply_chat_template, adapter.encode)
+    follows = _next_roles(workload)
+    next_forms: dict[int, list[int]] = {}
+    stores: dict[str, int] = {}  # what store_next_turn did, by outcome
     measured = workload.measured_steps
     ideal = IdealCache()
     lock = threading.Lock()
@@ -172,6 +199,13 @@ def run_workload(
                 r = event.result
         assert r is not None
         history.append({"role": "assistant", "content": r.text})
+        if workload.ideal_next_form:
+            next_forms[i] = next_turn_ids(adapter.apply_chat_template, history, follows[i])
+        # Reasoning-aware storing (`--reasoning-cache`): None when the policy is off.
+        stored = engine.store_next_turn(history, prompt + list(r.token_ids), follow=follows[i])
+        outcome = "off" if stored is None else "queued" if stored.submitted else "not needed"
+        with lock:
+            stores[outcome] = stores.get(outcome, 0) + 1
         record = RequestRecord(
             step=i,
             session=step.session,
@@ -203,6 +237,7 @@ def run_workload(
         run_steps(workload.steps, list(measured), concurrency, cached_step)
         cached_wall = time.perf_counter() - t0
         stats = engine.cache_stats()
+        reasoning_policy = engine.reasoning.describe()
     finally:
         engine.close()
     # The ideal reuses whatever any earlier-submitted request computed, as if each had
@@ -210,6 +245,8 @@ def run_workload(
     # cannot reuse what is still being computed, and that shows as reuse below it.
     for i, prompt in submitted:
         reusable = ideal.observe(prompt, done[i][2])
+        if i in next_forms:  # the turn as the next request sends it (a template re-render)
+            ideal.remember(next_forms[i], [])
         if i in measured:
             done[i][0].ideal_tokens = reusable
     records = [done[i][0] for i in measured]
@@ -275,13 +312,30 @@ def run_workload(
             + (["redis"] if config.redis_url else []),
             "cold_pass": "same prompt ids, prefix caching off, max_tokens = cached pass's "
             "output length, ignore_eos, same concurrency",
-            "ideal_method": "exact: prompt ids + generated ids of the cached pass",
+            "ideal_method": "exact: prompt ids + generated ids of the cached pass"
+            + (", and each turn in the next request's form" if workload.ideal_next_form else ""),
+            "reasoning_cache": reasoning_policy,
+            "next_turn_stores": stores,
             "prompt_format": render.kind,
             "miss_reasons": misses,
             "cache_stats": dataclasses.asdict(stats),
             "notes": notes,
         },
     )
+
+
+def _next_roles(workload: Workload) -> dict[int, str]:
+    """Per step, the role of the first message its session sends next ("user" after
+    the session's last step): what a server learns from parsing the reply's tool call."""
+    out: dict[int, str] = {}
+    last: dict[int, int] = {}
+    for i, step in enumerate(workload.steps):
+        if step.session in last:
+            out[last[step.session]] = step.messages[0]["role"]
+        last[step.session] = i
+    for i in last.values():
+        out[i] = "user"
+    return out
 
 
 def _warm_up(engine: Any, ideal: IdealCache | None) -> None:

@@ -1,4 +1,4 @@
-"""Seeded prefix-heavy workloads: chat, agent, shared-prefix and restart.
+"""Seeded prefix-heavy workloads: chat, agent, agent-reasoning, shared-prefix, restart.
 
 A workload is a fixed sequence of steps. Each step names a session (a
 conversation) and the messages appended to that session's history before the
@@ -51,6 +51,11 @@ class Workload:
     description: str
     restart_at: int | None = None
     ram_cache_tokens: int | None = None
+    # The chat template the runner serves the model under (None: the model's own), and
+    # whether the ideal also holds each turn in the next request's form (a template
+    # that strips reasoning re-renders earlier turns; see `bench.ideal`).
+    chat_template: str | None = None
+    ideal_next_form: bool = False
 
     @property
     def measured_steps(self) -> range:
@@ -88,6 +93,12 @@ SHAPES: dict[str, dict[str, Shape]] = {
         "quick": Shape(2, 4, 150, (30, 50), 16),
         "full": Shape(4, 10, 600, (60, 150), 48),
     },
+    # steps per session: a task, then TOOL_STEPS tool results, then the next task...
+    "agent-reasoning": {
+        "tiny": Shape(2, 6, 40, (6, 12), 6),
+        "quick": Shape(2, 8, 150, (20, 40), 24),
+        "full": Shape(4, 12, 600, (60, 150), 48),
+    },
     "shared-prefix": {
         "tiny": Shape(3, 1, 60, (4, 10), 6),
         "quick": Shape(5, 1, 600, (10, 25), 16),
@@ -102,6 +113,9 @@ SHAPES: dict[str, dict[str, Shape]] = {
 # fmt: on
 
 WORKLOADS = tuple(SHAPES)
+# What `pagedkv bench` runs when no --workload is given: agent-reasoning serves the model
+# under a template of ours and is asked for by name.
+DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w != "agent-reasoning")
 
 _WORD_TEXT = """
 the of and to in is that for it as with was on be by at this from have or an are not
@@ -245,6 +259,35 @@ def _agent_steps(rng: random.Random, shape: Shape) -> list[Step]:
     return steps
 
 
+TOOL_STEPS = 2  # agent-reasoning: tool results between two tasks of a session
+
+
+def _agent_reasoning_steps(rng: random.Random, shape: Shape) -> list[Step]:
+    """A reasoning agent: each task (a user message) is followed by TOOL_STEPS tool
+    results (role "tool"); the template keeps the reasoning of the current task's turns
+    and strips it from earlier tasks' turns once the next task arrives."""
+    system = {
+        "role": "system",
+        "content": (
+            "You are an agent that reasons, then solves tasks with tools. Think inside "
+            "<think></think>, then call one tool as JSON. Available tools:\n"
+            + _tool_definitions(rng, shape.prefix_words)
+        ),
+    }
+    steps: list[Step] = []
+    for session, turn in _interleave(rng, dict.fromkeys(range(shape.sessions), range(shape.turns))):
+        if turn % (TOOL_STEPS + 1) == 0:
+            task = {"role": "user", "content": "Task: " + _text(rng, rng.randint(15, 30))}
+            messages = (system, task) if turn == 0 else (task,)
+            steps.append(Step(session, turn, messages, shape.max_tokens))
+            continue
+        fields = {rng.choice(_WORDS): _text(rng, rng.randint(3, 8)) for _ in range(3)}
+        body = json.dumps(fields) + "\n" + _text(rng, _words_between(rng, shape.message_words))
+        result = {"role": "tool", "content": body, "tool_call_id": f"call_{turn}"}
+        steps.append(Step(session, turn, (result,), shape.max_tokens))
+    return steps
+
+
 def _shared_prefix_steps(rng: random.Random, shape: Shape) -> list[Step]:
     document = _text(rng, shape.prefix_words)
     system = {
@@ -264,8 +307,8 @@ def _shared_prefix_steps(rng: random.Random, shape: Shape) -> list[Step]:
 
 
 def build_workload(name: str, size: str = "quick", seed: int = 0) -> Workload:
-    """The workload `name` ("chat", "agent", "shared-prefix", "restart") at `size`
-    ("tiny", "quick", "full"); equal arguments give equal workloads."""
+    """The workload `name` (one of `WORKLOADS`) at `size` ("tiny", "quick", "full");
+    equal arguments give equal workloads."""
     if name not in SHAPES:
         raise ValueError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}")
     if size not in SIZES:
@@ -294,6 +337,19 @@ def build_workload(name: str, size: str = "quick", seed: int = 0) -> Workload:
             "word system prompt of tool definitions; each step appends the real answer and "
             "a tool result"
         )
+    elif name == "agent-reasoning":
+        from pagedkv.bench.reasoning_template import REASONING_CHAT_TEMPLATE
+
+        steps = _agent_reasoning_steps(rng, shape)
+        desc = (
+            f"{shape.sessions} reasoning-agent sessions x {shape.turns} steps (a task, then "
+            f"{TOOL_STEPS} tool results) under a template that strips earlier tasks' "
+            "reasoning, Qwen3-style; the ideal holds each turn in the next request's form"
+        )
+        return Workload(
+            name, size, seed, tuple(steps), desc, None, shape.ram_cache_tokens,
+            chat_template=REASONING_CHAT_TEMPLATE, ideal_next_form=True,
+        )  # fmt: skip
     else:
         steps = _shared_prefix_steps(rng, shape)
         desc = f"{shape.sessions} different questions over one ~{shape.prefix_words}-word document"

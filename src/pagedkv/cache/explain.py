@@ -104,6 +104,11 @@ class LookupParts:
     split: WindowSplit | None = None
     extra: ExtraKeys | None = None
     other_tenants: Sequence[ExtraKeys] = field(default_factory=tuple)
+    # The token ids that open a reasoning block, for a model whose template strips
+    # reasoning: a diverged miss where the cached child went on with them and the
+    # prompt does not is `reasoning_stripped` (a yes/no about a fixed marker, compared
+    # like the lengths of agreement; the child's tokens never leave).
+    think: np.ndarray | None = None
 
 
 def explain_lookup(
@@ -142,18 +147,22 @@ def explain_lookup(
     key = chain.parent_keys[num_full]
     partial, partial_tier, tail_hash = 0, "ram", b""
     any_live = False  # a child of `key` is cached in some tier (its tokens are not kept)
+    children: list[bytes] = []  # compared below, never kept or returned
     if len(rest):
         if not run:  # like restore_into: a RAM partial only right after the RAM run
             live = pool.peek_children(key)
             any_live = bool(live)
+            children += live
             partial = max((common_prefix(t, rest) for t in live), default=0)
         if lower and partial == 0:
             for tier in lower.tiers:
                 for meta in tier.children(key):
                     any_live = True
+                    child = meta.token_ids.astype("<i4").tobytes()
+                    children.append(child)
                     if parts.snapshots is not None or meta.num_tokens > bs:
                         continue  # restore_into takes no lower-tier tail for these
-                    n = common_prefix(meta.token_ids.astype("<i4").tobytes(), rest)
+                    n = common_prefix(child, rest)
                     if n > partial:
                         partial, partial_tier, tail_hash = n, tier.name, meta.block_hash
     matched = num_full * bs + partial
@@ -180,6 +189,12 @@ def explain_lookup(
         return PrefixExplanation(num_prompt, cached, tiers, None)
     names = tuple(t.name for t in lower.tiers)
     miss = _cause(history, key, rest, partial, matched, any_live, names)
+    if (
+        miss.reason == "diverged"
+        and parts.think is not None
+        and _stripped(children, rest, partial, parts.think)
+    ):
+        miss = MissCause(matched, "reasoning_stripped", None, names)
     if miss.reason in ("new", "diverged"):
         miss = _elsewhere(pool, lower, parts, tokens, miss)
     return PrefixExplanation(num_prompt, cached, tiers, miss)
@@ -233,6 +248,22 @@ def _elsewhere(
     ):
         return MissCause(i, "other_tenant", None, miss.lower_tiers)
     return miss
+
+
+def _stripped(children: list[bytes], rest: np.ndarray, at: int, think: np.ndarray) -> bool:
+    """Whether a child agreeing with `rest` up to `at` goes on there with `think`'s tokens
+    (as far as the block holds them) while `rest` does not."""
+    ours = rest[at : at + len(think)]
+    if len(ours) and len(ours) == len(think) and np.array_equal(ours, think):
+        return False
+    for child in children:
+        theirs = np.frombuffer(child, dtype="<i4")
+        if common_prefix(child, rest) != at or len(theirs) <= at:
+            continue
+        k = min(len(think), len(theirs) - at)
+        if np.array_equal(theirs[at : at + k], think[:k]):
+            return True
+    return False
 
 
 def _cause(

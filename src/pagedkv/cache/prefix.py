@@ -85,13 +85,17 @@ class PrefixCache:
         extra: ExtraKeys | None = None,
         chain: HashChain | None = None,
         other_tenants: Sequence[ExtraKeys] = (),
+        think: Sequence[int] | None = None,
     ) -> PrefixExplanation:
         """What a request for `tokens` would reuse now, and why not more; read-only and
         safe on any thread (see `cache.explain`). `other_tenants`: the keys of other
-        tenants whose holding the prefix the caller may be told (`other_tenant`)."""
+        tenants whose holding the prefix the caller may be told (`other_tenant`);
+        `think`: the ids that open a reasoning block, for a template that strips
+        reasoning."""
         if chain is None:
             chain = self.hasher.chain(tokens, extra)
-        parts = LookupParts(self.snapshots, self.split, extra, tuple(other_tenants))
+        marker = np.asarray(think, dtype=np.int32) if think else None
+        parts = LookupParts(self.snapshots, self.split, extra, tuple(other_tenants), marker)
         return explain_lookup(self.pool, self.lower, self.history, chain, parts)
 
     def begin(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> RequestCache:

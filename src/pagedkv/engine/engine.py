@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -15,8 +16,10 @@ from pagedkv.cache.hashing import ExtraKeys
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
 from pagedkv.config import CacheConfig, default_kv_budget_bytes
+from pagedkv.engine import reasoning
 from pagedkv.engine.explain import CacheExplanation, caching_off, describe
 from pagedkv.engine.grammar import GrammarCompiler
+from pagedkv.engine.reasoning import NextTurn, ReasoningPolicy
 from pagedkv.engine.request import GenerationResult, Request, RequestStream
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerConfig
@@ -123,6 +126,10 @@ class Engine:
         # Before any buffer exists, with caching on or off: the same rounding either way.
         adapter.set_kv_dtype(self.config.kv_dtype)
         self.prefix = self._build_prefix_cache()
+        self.reasoning = self._reasoning_policy()
+        # The ids that open a reasoning block, for explain's `reasoning_stripped`.
+        strips = self.reasoning.strips
+        self._think_ids = self.encode_continuation(reasoning.THINK_OPEN) if strips else None
         budget = self.config.kv_budget_bytes
         self.kv_budget_bytes = default_kv_budget_bytes() if budget is None else budget
         per_token = adapter.kv_bytes_per_token
@@ -131,6 +138,7 @@ class Engine:
         # (`Worker._keep_snapshot`), in tokens of KV: it counts in the same budget.
         snapshot_tokens = -(-snapshots.nbytes // per_token) if snapshots is not None else 0
         scheduler = Scheduler(self.scheduling, self.kv_budget_bytes // per_token, snapshot_tokens)
+        scheduler.min_shared_tokens = self.config.block_size
         self._worker = Worker(adapter, self.prefix, scheduler, self._request_done)
         self._grammars = GrammarCompiler(
             adapter.tokenizer, adapter.eos_token_ids, adapter.vocab_size
@@ -140,6 +148,16 @@ class Engine:
         if adapter.batched:  # prompt steps are padded always, every step if deterministic
             self._worker.rows = DeterministicRows(linear_layers(adapter.model))
             log.info("padded batches: row counts %s", self._worker.rows.stable)
+
+    def _reasoning_policy(self) -> ReasoningPolicy:
+        mode = self.config.reasoning_cache
+        has_template = isinstance(getattr(self.adapter.tokenizer, "chat_template", None), str)
+        render = self.apply_chat_template if has_template and self.prefix is not None else None
+        found = reasoning.policy(
+            mode, render, functools.partial(self.decode, skip_special_tokens=False)
+        )
+        log.info("reasoning-aware storing: %s", found.describe())
+        return found
 
     def _build_prefix_cache(self) -> PrefixCache | None:
         adapter, config = self.adapter, self.config
@@ -190,6 +208,12 @@ class Engine:
     def sampling_defaults(self) -> SamplingDefaults:
         """The model's recommended sampling values, for fields a request leaves out."""
         return getattr(self.adapter, "sampling_defaults", None) or SamplingDefaults()
+
+    @property
+    def reasoning_active(self) -> bool:
+        """Whether finished turns are also stored in the next prompt's form
+        (`store_next_turn`, `engine.reasoning`)."""
+        return self.reasoning.active
 
     @property
     def healthy(self) -> bool:
@@ -289,6 +313,80 @@ class Engine:
         else:
             ids = _check_ids(prompt, self.vocab_size)
         return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt, owner))
+
+    def prewarm(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        owner: str | None = None,
+        background: bool = False,
+    ) -> GenerationResult:
+        """Compute and cache `prompt`'s KV without generating (see `prewarm_stream`)."""
+        result = None
+        for event in self.prewarm_stream(
+            prompt, cache_salt=cache_salt, owner=owner, background=background
+        ):
+            result = event.result
+        if result is None:
+            raise PagedKVError("the prewarm ended without a result")  # pragma: no cover
+        return result
+
+    def prewarm_stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        owner: str | None = None,
+        background: bool = False,
+    ) -> RequestStream:
+        """A prefill-only request: its prompt waits, is admitted and prefilled like any
+        other (queue bound, KV budget, fair admission by `owner`), then its KV is cached
+        and it ends with one finished event, no token, finish_reason "stored":
+        `cached_tokens` were found before, `stored_tokens` are held after.
+        `background`: behind every other request (`Scheduler.add`)."""
+        ids = (
+            self.tokenize(prompt)
+            if isinstance(prompt, str)
+            else _check_ids(prompt, self.vocab_size)
+        )
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        req = self._submit(ids, params, cache_salt, owner, prefill_only=True, background=background)
+        return RequestStream(req)
+
+    def store_next_turn(
+        self,
+        messages: Sequence[dict[str, Any]],
+        computed: Sequence[int],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        follow: str = "user",
+        cache_salt: str | None = None,
+        owner: str | None = None,
+    ) -> NextTurn | None:
+        """After a turn: `messages` is the conversation with the turn's answer last, as
+        the client will send it back; `computed` the ids whose KV the turn cached (its
+        prompt and generated tokens). When reasoning-aware storing is on
+        (`engine.reasoning`) and the next request's form of this conversation is not
+        already a prefix of `computed` (the template stripped the reasoning), queue a
+        background prefill-only request for it; returns what was found and done, None
+        when the policy is off. `follow`: the next message's role, "tool" after a tool
+        call (a template keeps the reasoning of the current tool loop), else "user".
+        Renders on the calling thread; never blocks on the worker."""
+        if not self.reasoning.active or self.prefix is None:
+            return None
+        render = functools.partial(self.apply_chat_template, tools=tools)
+        ids = reasoning.next_turn_ids(render, messages, follow)
+        shared = reasoning.common_prefix(ids, computed)
+        if shared >= len(ids) or len(ids) >= self.max_context:
+            return NextTurn(len(ids), shared, submitted=False)
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        try:
+            self._submit(ids, params, cache_salt, owner, prefill_only=True, background=True)
+        except PagedKVError as exc:  # a full queue or budget: the next turn recomputes it
+            log.info("next-turn storing skipped: %s", exc)
+            return NextTurn(len(ids), shared, submitted=False)
+        return NextTurn(len(ids), shared, submitted=True)
 
     def chat(
         self,
@@ -392,7 +490,7 @@ class Engine:
             return caching_off(len(ids), self.caching_off_reason)
         extra = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
         others = [ExtraKeys(cache_salt=s) for s in dict.fromkeys(other_salts) if s != cache_salt]
-        exp = self.prefix.explain(ids, extra, other_tenants=others)
+        exp = self.prefix.explain(ids, extra, other_tenants=others, think=self._think_ids)
         return describe(exp, ids, self.decode)
 
     def clear_cache(self) -> None:
@@ -429,7 +527,14 @@ class Engine:
     # -- caller side --------------------------------------------------------
 
     def _submit(
-        self, ids: list[int], params: SamplingParams, salt: str | None, owner: str | None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        salt: str | None,
+        owner: str | None,
+        *,
+        prefill_only: bool = False,
+        background: bool = False,
     ) -> Request:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -453,7 +558,8 @@ class Engine:
             self._pending += 1
             self._submitted += 1
         extra = ExtraKeys(cache_salt=salt) if salt else None
-        req = Request(ids, params, extra, owner=owner, grammar=grammar)
+        req = Request(ids, params, extra, owner=owner, grammar=grammar,
+                      prefill_only=prefill_only, background=background)  # fmt: skip
         self._queue.put(req)
         return req
 

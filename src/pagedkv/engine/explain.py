@@ -92,6 +92,13 @@ def _detail(m: MissCause, tokens: Sequence[int], decode: Callable[[Sequence[int]
         )
     before = decode(tokens[max(0, i - _CONTEXT) : i])
     ours = decode(tokens[i : i + _CONTEXT])
+    if m.reason == "reasoning_stripped":
+        return (
+            f"an earlier prompt shared the first {i} tokens (ending {before!r}) and went on "
+            f"with reasoning there, which this prompt's chat template dropped: it continues "
+            f"{ours!r}. The template strips reasoning from earlier assistant turns; "
+            "--reasoning-cache on stores each turn in this form after it ends"
+        )
     if m.reason == "diverged":
         return (
             f"an earlier prompt shared the first {i} tokens (ending {before!r}) and then "

@@ -35,6 +35,9 @@ class GenerationResult:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     tier_hits: dict[str, int] = field(default_factory=dict)
     index: int = 0  # which of the request's `n` samples
+    # A prefill-only request (`Engine.prewarm`): prompt tokens whose KV the cache holds
+    # once it ended (its blocks that RAM took); 0 for a generating request.
+    stored_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -64,13 +67,20 @@ class Request:
     """A submitted request: prompt ids, sampling, cache extras, who sent it (`owner`,
     for fair admission; None: no one in particular), and the queue the worker puts
     its events on. `cancelled` may be set from any thread. `grammar` is
-    `params.response_format` compiled; each sample's sampler gets its own copy."""
+    `params.response_format` compiled; each sample's sampler gets its own copy.
+
+    `prefill_only`: compute and cache the prompt's KV, sample nothing (`Engine.prewarm`);
+    its one result has no tokens and finish_reason "stored". `background`: waits behind
+    every other request and prefills after them (the scheduler's low priority), for work
+    the server starts on its own (`engine.reasoning`)."""
 
     prompt: list[int]
     params: SamplingParams
     extra: ExtraKeys | None
     owner: str | None = None
     grammar: CompiledGrammar | None = None
+    prefill_only: bool = False
+    background: bool = False
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -59,7 +59,8 @@ class Scheduler:
 
     Order: decoding sequences always run (one token each), so a prefill never
     stalls them for more than one step; prefill chunks fill what the step's
-    token budget leaves, oldest sequence first. When a running sequence
+    token budget leaves, oldest sequence first, background requests
+    (`Request.background`) after every other. When a running sequence
     outgrows its buffer and the budget cannot cover it, the newest sequence is
     preempted (it may be the growing one itself).
 
@@ -99,6 +100,9 @@ class Scheduler:
         # Capacity of freed KV buffers the engine keeps for reuse; counted against the
         # budget like a reservation, and given up before anything waits or is preempted.
         self.spare_tokens = 0
+        # A background prefill shares a prompt's prefix when it shares this many tokens
+        # (the engine sets its block size): below that it stores nothing the prompt reuses.
+        self.min_shared_tokens = 1
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._order = 0
@@ -143,7 +147,47 @@ class Scheduler:
     # -- queues -------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq`: a background one (`Request.background`) at the end, any other
+        ahead of every waiting background one, so work the server starts on its own
+        never delays a client's request. A background request whose prompt shares a
+        prefix with `seq`'s is computing what `seq` would: it is promoted ahead of
+        `seq` (running, or waiting among the others), and `seq` waits for it to end
+        (`Sequence.wait_for`), then restores that prefix instead of computing it too."""
+        req = seq.request
+        if req.background:
+            self.waiting.append(seq)
+            return
+        feeder = self._feeder(seq)
+        if feeder is not None:
+            feeder.request.background = False
+            seq.wait_for = feeder.request
+            if feeder in self.waiting:
+                self.waiting.remove(feeder)
+                self._queue_ahead_of_background(feeder)
+        self._queue_ahead_of_background(seq)
+
+    def _queue_ahead_of_background(self, seq: Sequence) -> None:
+        for i, other in enumerate(self.waiting):
+            if other.request.background:
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
+
+    def _feeder(self, seq: Sequence) -> Sequence | None:
+        """A background sequence of the same cache extras whose whole prompt, but for at
+        most its last block (`min_shared_tokens`, so a token merged across the boundary
+        does not matter), begins `seq`'s, if any: it computes the form of a turn that
+        `seq` continues. Rejected: any shared first block, which made every session of
+        a key that shares a system prompt wait for another session's store."""
+        req = seq.request
+        for other in [*self.running, *self.waiting]:
+            o = other.request
+            if not o.background or o.extra != req.extra:
+                continue
+            m = max(len(o.prompt) - self.min_shared_tokens, self.min_shared_tokens)
+            if len(req.prompt) >= m and o.prompt[:m] == req.prompt[:m]:
+                return other
+        return None
 
     def admit(self, seq: Sequence) -> None:
         """Move `seq` from waiting to running (the engine has reserved its KV)."""
@@ -175,6 +219,8 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         first = self._fairest_first()
+        if first is None:
+            return None  # every waiting sequence waits for a background prefill
         if first is not self._head:
             self._head, self.head_bypassed = first, 0
         if self.fits(self.admission_tokens(first)):
@@ -184,18 +230,25 @@ class Scheduler:
         self._bypass = self._next_other_owner(_owner(first))
         return self._bypass
 
-    def _fairest_first(self) -> Sequence:
+    def _fairest_first(self) -> Sequence | None:
         """The first waiting sequence of the owner with the fewest running sequences,
-        the oldest among equals. One owner (the usual case): the head, at no cost."""
-        head = self.waiting[0]
+        the oldest among equals, leaving out those held for a background prefill
+        (`Scheduler.add`); background ones only when no client's is left. One owner
+        and nothing held (the usual case): the head."""
+        ready = [s for s in self.waiting if not _held(s)]
+        clients = [s for s in ready if not s.request.background]
+        waiting = clients or ready
+        if not waiting:
+            return None
+        head = waiting[0]
         owner = _owner(head)
-        if all(_owner(s) == owner for s in self.waiting):
+        if all(_owner(s) == owner for s in waiting):
             return head
         running: dict[str, int] = {}
         for seq in self.running:
             running[_owner(seq)] = running.get(_owner(seq), 0) + 1
         best, best_running, seen = head, running.get(owner, 0), {owner}
-        for seq in self.waiting:
+        for seq in waiting:
             o = _owner(seq)
             if o in seen:
                 continue
@@ -210,7 +263,7 @@ class Scheduler:
         firsts: dict[str, Sequence] = {}
         for seq in self.waiting:
             owner = _owner(seq)
-            if owner != head_owner and owner not in firsts:
+            if owner != head_owner and owner not in firsts and not _held(seq):
                 firsts[owner] = seq
         fitting = sorted(o for o, s in firsts.items() if self.fits(self.admission_tokens(s)))
         if not fitting:
@@ -243,6 +296,7 @@ class Scheduler:
             elif seq.num_pending > 1:
                 prefilling.append(seq)
         if self.config.deterministic:
+            prefilling.sort(key=lambda s: s.request.background)  # stable: oldest first
             for seq in prefilling:
                 take = min(seq.num_pending, self.config.prefill_chunk)
                 if take > budget:
@@ -250,13 +304,20 @@ class Scheduler:
                 work.append((seq, take))
                 budget -= take
             return work
-        parts = _fair_parts(prefilling, budget)
-        for seq in prefilling:
+        clients = [s for s in prefilling if not s.request.background]
+        parts = _fair_parts(clients, budget)
+        for seq in clients:
             take = min(seq.num_pending, parts.get(_owner(seq), 0))
             if take <= 0:
                 continue
             work.append((seq, take))
             parts[_owner(seq)] -= take
+            budget -= take
+        for seq in prefilling:  # background prefill: what the clients left, oldest first
+            take = min(seq.num_pending, budget) if seq.request.background else 0
+            if take > 0:
+                work.append((seq, take))
+                budget -= take
         return work
 
 
@@ -279,3 +340,8 @@ def _fair_parts(prefilling: list[Sequence], budget: int) -> dict[str, int]:
 def _owner(seq: Sequence) -> str:
     """Who sent `seq`'s request ("" for no one in particular: one owner)."""
     return seq.request.owner or ""
+
+
+def _held(seq: Sequence) -> bool:
+    """Whether `seq` waits for a prefill that computes its prefix (`Scheduler.add`)."""
+    return seq.wait_for is not None and seq.wait_for.num_open > 0

@@ -59,6 +59,9 @@ class Sequence:
     ttft: float = 0.0
     finish_reason: str | None = None
     prompt_cached: bool = False
+    stored_tokens: int = 0  # prefill-only: prompt tokens the cache held at its end
+    # A prefill of this prompt's prefix to wait for before admission (`Scheduler.add`).
+    wait_for: Request | None = None
     admitted: bool = False  # has been admitted once (cached_tokens, ttft are final)
 
     @property
@@ -89,4 +92,5 @@ class Sequence:
             top_logprobs=list(self.top_logprobs) if req.params.top_logprobs else None,
             tier_hits=dict(self.tier_hits),
             index=self.index,
+            stored_tokens=self.stored_tokens,
         )

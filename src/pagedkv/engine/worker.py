@@ -120,6 +120,10 @@ class Worker:
             return
         for seq, logits in outputs:
             try:
+                if seq.request.prefill_only:
+                    seq.finish_reason = "stored"  # its KV is all computed: cache it, end
+                    self._finish(seq)
+                    continue
                 self._sample(seq, logits)
             except Exception as exc:
                 log.exception("request failed after its forward")
@@ -293,6 +297,10 @@ class Worker:
                     handle.cache_finished(
                         seq.tokens[: seq.num_computed], self._kv_source(seq), seq.snapshots
                     )
+                    if seq.request.prefill_only:
+                        assert self.prefix is not None
+                        held = len(handle.table) * self.prefix.block_size
+                        seq.stored_tokens = min(held, seq.num_computed)
             except Exception:
                 log.warning("caching a finished sequence failed", exc_info=True)
                 self.cache_errors += 1

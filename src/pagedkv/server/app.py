@@ -42,7 +42,7 @@ from pagedkv.server.drift import RenderMemory
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import add_error_handlers, error_body
 from pagedkv.server.explain import ChatExplainRequest, Explainer, refuse_unknown_chat_fields
-from pagedkv.server.generation import Generation, Options
+from pagedkv.server.generation import Generation, Options, history_message
 from pagedkv.server.http_errors import (
     REQUEST_ID,
     APIError,
@@ -66,6 +66,7 @@ from pagedkv.server.prepare import (
     max_new_tokens,
     sampling_params,
 )
+from pagedkv.server.prewarm import AfterTurn, PrewarmContext, add_prewarm_route
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -254,6 +255,9 @@ def create_app(
             state.ledger.finished(tenant, results, complete=gen.done)
             if gen.done and results:
                 state.dashboard.finished(REQUEST_ID.get(), tenant.label, results)
+            if isinstance(body, ChatCompletionRequest) and gen.done and len(results) == 1:
+                message = history_message(results[0], tools)
+                after_turn.finished(body, ids, results[0], message, salt, tenant.salt)
 
         state.ledger.started(tenant)
         gen = Generation(
@@ -410,6 +414,8 @@ def create_app(
         drift=RenderMemory(),
         on_miss=state.dashboard.explained,
     )
+    after_turn = AfterTurn(engine, state.render)
+    add_prewarm_route(app, PrewarmContext(engine, state.model_name, check_open, chat_prompt, admit))
 
     @app.post("/v1/cache/explain", responses=ERRORS)
     async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:

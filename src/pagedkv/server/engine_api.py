@@ -6,7 +6,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from pagedkv.engine.explain import CacheExplanation
-from pagedkv.engine.request import StreamEvent
+from pagedkv.engine.reasoning import NextTurn
+from pagedkv.engine.request import GenerationResult, StreamEvent
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.stats import EngineStats
 from pagedkv.model.generation_defaults import SamplingDefaults
@@ -58,6 +59,26 @@ class EngineAPI(Protocol):
         cache_salt: str | None = None,
         owner: str | None = None,
     ) -> Iterator[StreamEvent]: ...
+
+    def prewarm(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        owner: str | None = None,
+        background: bool = False,
+    ) -> GenerationResult: ...
+
+    def store_next_turn(
+        self,
+        messages: Sequence[dict[str, Any]],
+        computed: Sequence[int],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        follow: str = "user",
+        cache_salt: str | None = None,
+        owner: str | None = None,
+    ) -> NextTurn | None: ...
 
     def num_active_requests(self) -> int: ...
 

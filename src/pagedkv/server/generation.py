@@ -429,6 +429,22 @@ def chat_message(result: GenerationResult, tools: ToolMode | None) -> tuple[dict
     return message, "tool_calls"
 
 
+def history_message(result: GenerationResult, tools: ToolMode | None) -> dict[str, Any]:
+    """The answer as the client sends it back in its next request's history, in the
+    chat template's form (a call's arguments decoded, as `history_tool_calls` does)."""
+    message, _ = chat_message(result, tools)
+    calls = message.get("tool_calls")
+    if calls:
+        message["tool_calls"] = [
+            {
+                **c,
+                "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])},
+            }
+            for c in calls
+        ]
+    return message
+
+
 def _finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
