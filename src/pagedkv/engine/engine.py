@@ -156,7 +156,7 @@ class Engine:
             state_numel=state.numel if state is not None else 0,
         )
         log.info("layers of %s: %s", adapter.name, adapter.kinds.describe())
-        namespace = adapter.fingerprint(config.block_size)
+        namespace = adapter.fingerprint(config.block_size, self.scheduling.deterministic)
         description = (  # shown by `pagedkv cache stats`; only the SSD tier keeps it
             describe_namespace(adapter, config.block_size) if config.ssd_cache_dir else None
         )
