@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from pagedkv.cache.identity import namespace_digest
+from pagedkv.cache.identity import NAMESPACE_FIELDS, namespace_digest
 from pagedkv.config import DTYPES
 from pagedkv.errors import ModelNotSupportedError, PromptTooLongError
 from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch, ragged_kernel_name
@@ -211,7 +211,7 @@ class ModelAdapter:
             }
         fmt = self.kv_format
         kv_dtype = self._static_identity["dtype"] if fmt.name == "auto" else fmt.name
-        return {
+        fields = {
             **self._static_identity,
             "device": self.device.type,
             "kv_dtype": kv_dtype,
@@ -220,6 +220,7 @@ class ModelAdapter:
             "mode": _batch_mode(self.batched, deterministic),
             "block_size": str(int(block_size)),
         }
+        return {name: fields[name] for name in NAMESPACE_FIELDS}
 
     @property
     def attention_kernel(self) -> str:
