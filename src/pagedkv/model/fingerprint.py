@@ -1,4 +1,5 @@
-"""Content identity of a model: its config and the digest of its weights.
+"""Content identity of a model: the config fields that reach its forward pass (for the
+namespace, `cache.identity`) and the digest of its weights.
 
 Weights are identified by the sha256 of their files' bytes, streamed. A file's
 digest is remembered in `<cache home>/weight-digests.json`, keyed by its
@@ -35,7 +36,9 @@ _CHUNK_BYTES = 8 << 20
 # in, nested configs and `_`-prefixed fields included: a field wrongly in costs cache
 # misses, a field wrongly out costs wrong answers, so the list names what is out
 # (an allowlist of RoPE, norm, window... fields would silently miss the next field
-# transformers adds). Each entry is checked by tests/model/test_identity_mutations.py.
+# transformers adds). tests/model/test_identity.py checks that the tokenizer, template
+# and generation fields leave the namespace alone; test_identity_mutations.py that the
+# forward fields change it.
 NOT_IN_FORWARD = {
     # where the model was loaded from, and by which library version
     "_name_or_path": "a path; a moved or copied model computes the same",
