@@ -143,6 +143,10 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # sliding / global alternation: 3 layers sliding, the 4th global
     "gemma3_text": {"num_hidden_layers": 4, "sliding_window_pattern": 4, "head_dim": 16,
                     "query_pre_attn_scalar": 16, "sliding_window": 16},
+    # sliding / global alternation with attention-logit and final-logit soft-capping
+    "gemma2": {"num_hidden_layers": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+               "sliding_window": 16, "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0},
     # alternation with attention sinks and a tiny MoE
     "gpt_oss": {"num_hidden_layers": 2, "head_dim": 16, "sliding_window": 16,
                 "num_local_experts": 4, "num_experts_per_tok": 2},

@@ -81,8 +81,7 @@ def test_the_adapter_packs_its_model_and_names_the_kernel(tiny_llama_dir: Path) 
     linears = [m for m in adapter.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is PackedLinear for m in linears)
     assert adapter.linear_kernel == "onednn-packed"
-    adapter.fingerprint(16)
-    assert adapter._identity is not None and '"linear": "onednn-packed"' in adapter._identity
+    assert adapter.identity(16)["linear"] == "onednn-packed"
 
 
 def test_int8_layers_compute_what_float_ones_did_to_the_weights_rounding() -> None:

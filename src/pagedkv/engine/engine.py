@@ -180,7 +180,7 @@ class Engine:
             state_numel=state.numel if state is not None else 0,
         )
         log.info("layers of %s: %s", adapter.name, adapter.kinds.describe())
-        namespace = adapter.fingerprint(config.block_size)
+        namespace = adapter.fingerprint(config.block_size, self.scheduling.deterministic)
         # Who writes the namespace: `pagedkv cache stats` shows it (SSD), and explain's
         # `identity_changed` compares it with the others' (SSD and Redis keep it).
         persistent = config.ssd_cache_dir or config.redis_url

@@ -71,6 +71,13 @@ _GROUP_MAX_BYTES = 32 * 2**20
 _GROUP_PAD_TO = 64
 
 
+def ragged_kernel_name() -> str:
+    """The ragged attention and the constants of its prompt shape family, as the
+    namespace names them: changing one changes how stored KV rounds."""
+    family = f"key_align={_KEY_ALIGN},key_block={_KEY_BLOCK},query_rows={_QUERY_ROWS}"
+    return f"{ATTENTION_NAME}:{family}"
+
+
 @dataclass(slots=True)
 class SeqChunk:
     """One sequence's share of a batched forward: `token_ids` at positions `start,

@@ -1,4 +1,5 @@
-"""Content identity of a model: its config and the digest of its weights.
+"""Content identity of a model: the config fields that reach its forward pass (for the
+namespace, `cache.identity`) and the digest of its weights.
 
 Weights are identified by the sha256 of their files' bytes, streamed. A file's
 digest is remembered in `<cache home>/weight-digests.json`, keyed by its
@@ -30,27 +31,84 @@ SOURCE_MARKER = "pagedkv-source.json"
 _MAX_REMEMBERED = 512
 _CHUNK_BYTES = 8 << 20
 
-# Fields that name where or how a model was loaded, not what it computes.
-_PATH_LIKE = frozenset(
-    {"name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
-     "output_attentions", "output_hidden_states", "return_dict", "attn_implementation"}
-)  # fmt: skip
+# Config fields left out of the namespace, each because it cannot change the KV (or
+# the logits) computed for given token ids. Everything else in `config.to_dict()` is
+# in, nested configs and `_`-prefixed fields included: a field wrongly in costs cache
+# misses, a field wrongly out costs wrong answers, so the list names what is out
+# (an allowlist of RoPE, norm, window... fields would silently miss the next field
+# transformers adds). tests/model/test_identity.py checks that the tokenizer, template
+# and generation fields leave the namespace alone; test_identity_mutations.py that the
+# forward fields change it.
+NOT_IN_FORWARD = {
+    # where the model was loaded from, and by which library version
+    "_name_or_path": "a path; a moved or copied model computes the same",
+    "name_or_path": "a path",
+    "transformers_version": "the writer's library version, not the forward's",
+    # how it was loaded: in the namespace as their own fields, measured on the model
+    "dtype": "in the namespace as the parameters' real dtype",
+    "torch_dtype": "in the namespace as the parameters' real dtype",
+    "attn_implementation": "in the namespace as the attention kernel",
+    # what the forward returns, not what it computes
+    "use_cache": "whether a cache is returned",
+    "output_attentions": "extra outputs only",
+    "output_hidden_states": "extra outputs only",
+    "return_dict": "the output's container",
+    # tokenizer and template: pagedkv hashes token ids, so these cannot reach a key
+    "bos_token_id": "a tokenizer fact; the ids are hashed",
+    "eos_token_id": "decides when to stop, not what is computed",
+    "pad_token_id": "padding; pagedkv batches ragged rows, never pads a prompt",
+    "sep_token_id": "a tokenizer fact",
+    "decoder_start_token_id": "encoder-decoder generation only",
+    "tokenizer_class": "a tokenizer fact",
+    "chat_template": "templates render text; the ids are hashed",
+    # training and heads pagedkv never runs
+    "initializer_range": "initialisation only; the weights digest covers the weights",
+    "id2label": "classification heads",
+    "label2id": "classification heads",
+    "problem_type": "classification heads",
+    "task_specific_params": "generation defaults",
+    # generation settings older configs carry: sampling, not the forward pass
+    **dict.fromkeys(
+        ("max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+         "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p",
+         "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+         "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+         "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+         "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+         "suppress_tokens", "begin_suppress_tokens"),
+        "a generation setting",
+    ),
+}  # fmt: skip
 
 _lock = threading.Lock()
 
 
 def config_identity(config: Any) -> Any:
-    """The config as plain JSON data, minus path-like and private (`_`-prefixed) fields."""
+    """The config as plain JSON data, minus the fields of `NOT_IN_FORWARD` (its own and
+    its sub-configs')."""
     return _strip(json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str)))
 
 
-def _strip(value: Any) -> Any:
+def canonical_config(config: Any) -> str:
+    """`config_identity` as the namespace's `config` field: JSON with sorted keys, no
+    spaces, ASCII only (floats as Python prints them: the shortest exact form)."""
+    return json.dumps(
+        config_identity(config), sort_keys=True, separators=(",", ":"), ensure_ascii=True
+    )
+
+
+def _strip(value: Any, is_config: bool = True) -> Any:
+    """Drop `NOT_IN_FORWARD` keys from a config and its sub-configs (a dict with a
+    `model_type`, such as `text_config`), never from other values: a RoPE dict's
+    `temperature`, say, is not a generation setting."""
     if isinstance(value, dict):
         return {
-            k: _strip(v) for k, v in value.items() if not k.startswith("_") and k not in _PATH_LIKE
+            k: _strip(v, isinstance(v, dict) and "model_type" in v)
+            for k, v in value.items()
+            if not (is_config and k in NOT_IN_FORWARD)
         }
     if isinstance(value, list):
-        return [_strip(v) for v in value]
+        return [_strip(v, isinstance(v, dict) and "model_type" in v) for v in value]
     return value
 
 

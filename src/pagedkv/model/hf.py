@@ -7,9 +7,7 @@ tokens, head_dim]` and an opaque cache object it passes back to `forward`.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import logging
 import math
 import mmap
@@ -21,11 +19,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from pagedkv.cache.identity import NAMESPACE_FIELDS, namespace_digest
 from pagedkv.config import DTYPES
 from pagedkv.errors import ModelNotSupportedError, PromptTooLongError
-from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch
+from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch, ragged_kernel_name
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME
-from pagedkv.model.fingerprint import config_identity, weights_digest
+from pagedkv.model.fingerprint import canonical_config, weights_digest
 from pagedkv.model.generation_defaults import (
     BUNDLED_DEFAULTS,
     SamplingDefaults,
@@ -44,8 +43,17 @@ logger = logging.getLogger(__name__)
 # Bumped whenever the meaning of stored KV changes (layout, rounding, RoPE
 # handling); part of every fingerprint, so old blocks simply stop matching.
 KV_LAYOUT_VERSION = 2  # 2: KV rows are the KV layers only; recurrent-state snapshots
+# The compute library, in the namespace: another backend (MLX) rounds otherwise.
+BACKEND = "torch"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _batch_mode(batched: bool, deterministic: bool) -> str:
+    """How a step's rows are batched, as the namespace's `mode` names it."""
+    if not batched:
+        return "one-sequence"  # a forward per sequence: nothing else shares its rows
+    return "deterministic" if deterministic else "grouped"
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -153,7 +161,7 @@ class ModelAdapter:
         if self.unsupported_reason is None and self.state_layers:
             self.state_layout = probe_state_layout(self, self.state_layers)
         self.prefix_caching_supported: bool = self.unsupported_reason is None
-        self._identity: str | None = None
+        self._static_identity: dict[str, str] | None = None
         self.unbatched_reason: str | None = self._use_ragged_attention(params)
         self.batched: bool = self.unbatched_reason is None
         # The linear layers' kernel, in the identity: KV computed another way rounds otherwise.
@@ -187,26 +195,45 @@ class ModelAdapter:
             )
         self.kv_format = fmt
 
-    def fingerprint(self, block_size: int) -> str:
-        """Namespace of this model's KV blocks: a hex digest of the config
-        (path-like fields dropped), the weights' content, dtype, KV layout version, the
-        linear layers' kernel and block size. Never the path: a moved or copied model
-        keeps its cache."""
-        if self._identity is None:
-            self._identity = json.dumps(
-                {
-                    "config": config_identity(self.config),
-                    "weights": weights_digest(self.model, self.model_dir),
-                    "dtype": str(self.dtype).removeprefix("torch."),
-                    "kv_layout": KV_LAYOUT_VERSION,
-                    "linear": self.linear_kernel,
-                },
-                sort_keys=True,
-            )
-        payload = f"{self._identity}|block_size={int(block_size)}"
-        if self.kv_format.name != "auto":  # auto keeps the namespaces cached before it
-            payload += f"|kv_dtype={self.kv_format.name}"
-        return hashlib.sha256(payload.encode()).hexdigest()[:32]
+    def identity(self, block_size: int, deterministic: bool = False) -> dict[str, str]:
+        """The namespace's fields (`cache.identity.NAMESPACE_FIELDS`): everything that
+        decides the KV computed for given token ids. `deterministic`: the engine pads
+        decode rows (`DeterministicRows`), which rounds them otherwise than grouped
+        decode rows. Never the path (a moved or copied model keeps its cache), the
+        tokenizer or the chat template (token ids are hashed, not text)."""
+        if self._static_identity is None:
+            self._static_identity = {
+                "layout": str(KV_LAYOUT_VERSION),
+                "backend": BACKEND,
+                "weights": weights_digest(self.model, self.model_dir),
+                "config": canonical_config(self.config),
+                "dtype": str(self.dtype).removeprefix("torch."),
+            }
+        fmt = self.kv_format
+        kv_dtype = self._static_identity["dtype"] if fmt.name == "auto" else fmt.name
+        fields = {
+            **self._static_identity,
+            "device": self.device.type,
+            "kv_dtype": kv_dtype,
+            "linear": self.linear_kernel,
+            "attention": self.attention_kernel,
+            "mode": _batch_mode(self.batched, deterministic),
+            "block_size": str(int(block_size)),
+        }
+        return {name: fields[name] for name in NAMESPACE_FIELDS}
+
+    @property
+    def attention_kernel(self) -> str:
+        """The attention that computes stored KV: the ragged batch's, with the shape
+        family its prompt chunks are attended in (`model.batch`), or the model's own."""
+        if self.batched:
+            return ragged_kernel_name()
+        return f"transformers:{self.config._attn_implementation}"
+
+    def fingerprint(self, block_size: int, deterministic: bool = False) -> str:
+        """Namespace of this model's KV blocks: the digest of `identity` (format 2,
+        `cache.identity.namespace_digest`)."""
+        return namespace_digest(self.identity(block_size, deterministic))
 
     # ---- KV cache -------------------------------------------------------
 
