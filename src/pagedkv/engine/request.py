@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pagedkv.cache.hashing import ExtraKeys
 from pagedkv.engine.grammar import CompiledGrammar
 from pagedkv.engine.sampling import SamplingParams
+from pagedkv.model.lora import LoraWeights
 
 
 @dataclass(slots=True)
@@ -71,6 +72,7 @@ class Request:
     extra: ExtraKeys | None
     owner: str | None = None
     grammar: CompiledGrammar | None = None
+    lora: LoraWeights | None = None  # the LoRA adapter it runs with, held to its end
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

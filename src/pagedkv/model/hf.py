@@ -35,6 +35,8 @@ from pagedkv.model.kinds import LayerKinds, read_layer_kinds
 from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.kv_layer import GrowableLayer
 from pagedkv.model.linear import INT8_KERNEL, KERNEL, pack_linears, quantize_linears
+from pagedkv.model.lora import LoraWeights
+from pagedkv.model.lora_layers import LoraLayers, lora_groups
 from pagedkv.model.resolve import resolve_model
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
 from pagedkv.model.token_bound import fewest_tokens, max_chars_per_token
@@ -141,6 +143,9 @@ class ModelAdapter:
             self._forward_kwargs["logits_to_keep"] = 1
 
         self.kinds: LayerKinds = read_layer_kinds(model.config)
+        # LoRA adapters installed on the linear layers (`model.lora_layers`); packing
+        # below changes the layers' classes in place, so the modules it holds stay.
+        self.lora_layers = LoraLayers(model)
         # Rows of every KV buffer and block: the layers that keep per-token KV.
         self.kv_layers: tuple[int, ...] = self.kinds.kv_layers
         self.num_kv_layers: int = len(self.kv_layers)
@@ -353,7 +358,12 @@ class ModelAdapter:
             chunks, pad_rows, self.device, self.kv_format, group_decode
         )
         wanted = sum(c.want_logits for c in chunks)
-        with torch.inference_mode():
+        groups = []
+        if any(c.lora is not None for c in chunks):
+            lengths = [len(c.token_ids) for c in chunks]
+            loras = [c.lora for c in chunks]
+            groups = lora_groups(loras, plan.offsets, lengths, self.device)
+        with torch.inference_mode(), self.lora_layers.route(groups):
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,
@@ -366,9 +376,13 @@ class ModelAdapter:
     # ---- compute --------------------------------------------------------
 
     def forward(
-        self, input_ids: Sequence[int] | torch.Tensor, cache: Any = None
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        cache: Any = None,
+        lora: LoraWeights | None = None,
     ) -> tuple[torch.Tensor, Any]:
-        """Run `input_ids` after the tokens already in `cache` (None = empty cache).
+        """Run `input_ids` after the tokens already in `cache` (None = empty cache),
+        through the LoRA adapter `lora` (installed; None: the base model).
 
         Returns the float32 logits of the last position `[vocab]` and the cache,
         which now also holds `input_ids`.
@@ -381,7 +395,9 @@ class ModelAdapter:
             raise ValueError("forward needs at least one input token")
         if cache is None:
             cache = self.new_cache()
-        with torch.inference_mode():
+        rows = ids.shape[1]
+        groups = [] if lora is None else lora_groups([lora], [0], [rows], self.device)
+        with torch.inference_mode(), self.lora_layers.route(groups):
             out = self.model(input_ids=ids, **{self._cache_kw: cache}, **self._forward_kwargs)
         logits = out.logits[0, -1].float()
         new_cache = out.cache if self._cache_kw == "cache" else out.past_key_values

@@ -67,6 +67,8 @@ class Explainer:
     engine: EngineAPI
     prompt_only: PromptOnly
     render: RenderPool
+    # Which LoRA adapter a request's `model` names (`server.adapters.ModelNames`).
+    adapter_of: Callable[[str | None], str | None] | None = None
 
     async def explain(
         self,
@@ -74,11 +76,12 @@ class Explainer:
         tenant: Tenant,
         sections: SectionMap | None = None,
     ) -> dict[str, Any]:
+        lora = self.adapter_of(body.model) if self.adapter_of is not None else None
         ids, _ = await self.prompt_only(body, tenant)
         salt = tenant.cache_salt(body.cache_salt)
         try:
             answer = await to_thread.run_sync(
-                functools.partial(self.engine.explain, ids, cache_salt=salt)
+                functools.partial(self.engine.explain, ids, cache_salt=salt, lora=lora)
             )
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from exc
