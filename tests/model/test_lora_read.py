@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -160,3 +161,18 @@ def test_a_rows_delta_does_not_depend_on_its_group(adapter: Path, tiny_llama_dir
                 assert torch.equal(q(x[:, :n])[0, 0], alone), n
         base = q(x[:, :1])[0, 0]
     assert not torch.equal(base, alone), "the adapter changed the output"
+
+
+def test_chunks_are_ordered_by_adapter_and_logits_put_back() -> None:
+    from pagedkv.model.lora_layers import adapter_order, unpermute_wanted
+
+    a, b = object(), object()
+    loras: list[Any] = [None, a, b, a, None, b]
+    order = adapter_order(loras)
+    assert order == [0, 4, 1, 3, 2, 5]
+    assert adapter_order([None, a, a, b]) is None and adapter_order([None, None]) is None
+    wanted_original = [True, False, True, True, True, False]
+    wanted = [wanted_original[i] for i in order]
+    computed = [i for i in order if wanted_original[i]]  # chunk ids, in computed order
+    rows = unpermute_wanted(order, wanted)
+    assert [computed[r] for r in rows] == [i for i, w in enumerate(wanted_original) if w]

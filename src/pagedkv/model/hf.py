@@ -36,7 +36,7 @@ from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.kv_layer import GrowableLayer
 from pagedkv.model.linear import INT8_KERNEL, KERNEL, pack_linears, quantize_linears
 from pagedkv.model.lora import LoraWeights
-from pagedkv.model.lora_layers import LoraLayers, lora_groups
+from pagedkv.model.lora_layers import LoraLayers, adapter_order, lora_groups, unpermute_wanted
 from pagedkv.model.resolve import resolve_model
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
 from pagedkv.model.token_bound import fewest_tokens, max_chars_per_token
@@ -354,6 +354,11 @@ class ModelAdapter:
         buffer. Returns the float32 logits `[wanted, vocab]` of the chunks that want
         them, in chunk order. `pad_rows` pads the batch (`DeterministicRows`);
         `group_decode`: attend the decode rows in one call (see `RaggedPlan`)."""
+        # Rows of one adapter side by side, so each adapter's rows are one slice
+        # (`model.lora_layers`); the logits go back to the caller's order below.
+        order = adapter_order([c.lora for c in chunks])
+        if order is not None:
+            chunks = [chunks[i] for i in order]
         plan, ids, positions, keep = plan_batch(
             chunks, pad_rows, self.device, self.kv_format, group_decode
         )
@@ -371,7 +376,10 @@ class ModelAdapter:
                 logits_to_keep=keep,
                 pagedkv_plan=plan,
             )
-        return out.logits[0, :wanted].float()
+        logits = out.logits[0, :wanted].float()
+        if order is not None:
+            logits = logits[unpermute_wanted(order, [c.want_logits for c in chunks])]
+        return logits
 
     # ---- compute --------------------------------------------------------
 

@@ -8,10 +8,15 @@ group, `scale * B (A x)` over that group's rows to the base layer's output.
 With no group set the hooks return at once: base-only steps cost a Python call
 per adapted layer.
 
-Grouping rows by adapter was chosen over gathered per-row products (one batched
-matmul over `[rows, r, in]` matrices gathered per row, as punica's BGMV does on
-GPUs): on the CPU the gather copies `r x in` weights per row, and a step holds
-few adapters (measured in `benchmarks/bench_lora.py`, docs/benchmarks.md).
+The model adapter orders a step's chunks so that each adapter's rows are one run
+(`adapter_order`), so a group is one slice: per layer and adapter, two small
+products and one in-place add, no gather or scatter (index_select/index_add_
+measured 10-17 ms a call on a loaded 2-core host, where the whole step took 2 s).
+Grouping was chosen over batched products over all rows at once (every adapter's
+A stacked, each row masked to its own columns, then the stacked B: two products
+a layer whatever the number of adapters), which make a row's sums depend on
+which other adapters share the step, so an answer in a batch could differ from
+the same answer alone (docs/benchmarks.md, "LoRA adapters").
 
 Exactness: a row's delta must not depend on what else runs, or an adapter's
 answer in a batch would differ from its answer alone. Over oneDNN-packed layers
@@ -200,3 +205,31 @@ def lora_groups(
             rows = torch.cat([torch.arange(s, e) for s, e in spans]).to(device)
         groups.append(LoraGroup(lora, rows, total))
     return groups
+
+
+def adapter_order(loras: Sequence[LoraWeights | None]) -> list[int] | None:
+    """An order of a batch's chunks that puts each adapter's chunks side by side (the
+    base model's first, then adapters as they first appear); None when no chunk has
+    an adapter or they already are. Rows are computed alike wherever they sit in the
+    batch (the linear layers are row-stable, attention is per chunk)."""
+    if all(lora is None for lora in loras):
+        return None
+    rank: dict[int, int] = {}
+    for lora in loras:
+        rank.setdefault(0 if lora is None else id(lora), len(rank) + 1)
+    keys = [0 if lora is None else rank[id(lora)] for lora in loras]
+    if keys == sorted(keys):
+        return None
+    return sorted(range(len(loras)), key=keys.__getitem__)
+
+
+def unpermute_wanted(order: Sequence[int], wanted: Sequence[bool]) -> list[int]:
+    """For logits computed over chunks in `order` (`wanted[k]`: permuted chunk k
+    returned logits), the rows that put them back in the original chunks' order."""
+    original = sorted(order[k] for k, w in enumerate(wanted) if w)
+    position = {chunk: i for i, chunk in enumerate(original)}
+    dest = [position[order[k]] for k, w in enumerate(wanted) if w]
+    rows = [0] * len(dest)
+    for row, d in enumerate(dest):
+        rows[d] = row
+    return rows
