@@ -100,6 +100,11 @@ def test_prompts_never_reuse_another_adapters_blocks_in_ram(
         for name in (None, "a1", "a2"):  # each reuses its own
             again = eng.generate(prompt, GREEDY, lora=name)
             assert again.cached_tokens == len(prompt) - 1
+        explained = {n: eng.explain(prompt, lora=n).cached_tokens for n in (None, "a1", "a2")}
+        assert explained == {None: len(prompt) - 1, "a1": len(prompt) - 1, "a2": len(prompt) - 1}
+        eng.load_adapter("a1", loras["a1-v2"])
+        assert eng.explain(prompt, lora="a1").cached_tokens == 0, "explain sees the new digest"
+        eng.load_adapter("a1", loras["a1"])
         # a salt and an adapter together: neither's blocks serve the other
         salted = eng.generate(prompt, GREEDY, lora="a1", cache_salt="tenant")
         assert salted.cached_tokens == 0

@@ -48,6 +48,7 @@ from pagedkv.model.lora import LoraWeights
 
 _PACK_FOR_ROWS = 8
 _WARM_ROWS = 16
+_WARMED: set[tuple[torch.dtype, int, int, int]] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,12 @@ class PreparedLora:
 def _warm(a: torch.Tensor, b: torch.Tensor, rank: int, in_features: int) -> None:
     """Run the packed products once per small row count: oneDNN compiles a kernel per
     shape on first use (~1 ms each, measured), and its cache is shared by every thread,
-    so the worker's steps find them made."""
+    so the worker's steps find them made. Once per shape in the process: a layer of
+    the same shape (q and o; k and v) finds them made too."""
+    shape = (a.dtype, in_features, rank, b.shape[0] if b.dim() == 2 else -1)
+    if shape in _WARMED:
+        return
+    _WARMED.add(shape)
     for rows in range(2, _WARM_ROWS + 1):
         x = torch.zeros(rows, in_features, dtype=a.dtype)
         mid = torch.ops.mkldnn._linear_pointwise(x, a, None, "none", [], "")
