@@ -68,8 +68,9 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="NAME=DIR",
-        help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable); requests select "
-        "it with model NAME or BASE:NAME; more load at run time with POST /v1/adapters",
+        help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable; default: none); "
+        "requests select it with model NAME or BASE:NAME; more load at run time with "
+        "POST /v1/adapters",
     )
     g.add_argument(
         "--max-lora-rank",
