@@ -15,10 +15,12 @@ from typing import Any
 from pagedkv.cli_cache import add_cache_commands
 from pagedkv.flags import (
     add_cache_flags,
+    add_lora_flags,
     add_model_flags,
     add_scheduler_flags,
     cache_config_from_args,
     env,
+    lora_flags,
     scheduler_config_from_args,
 )
 
@@ -33,6 +35,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         max_queue=getattr(args, "max_queue", 64),
         scheduling=scheduler_config_from_args(args),
+        **({"max_lora_rank": args.max_lora_rank} if hasattr(args, "max_lora_rank") else {}),
     )
 
 
@@ -108,6 +111,12 @@ def _serve_on(args: argparse.Namespace, sock: Any) -> int:
     if per_key is None:  # one tenant cannot starve another; one tenant alone is not limited
         per_key = max(1, args.max_queue // 2) if len(set(keys) | set(admins)) > 1 else 0
     engine = _load_engine(args)
+    try:
+        for name, directory in lora_flags(args.lora):
+            engine.load_adapter(name, directory)
+    except BaseException:
+        engine.close()
+        raise
     return run_server(
         engine,
         sock=sock,
@@ -392,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     add_model_flags(serve)
+    add_lora_flags(serve)
     _add_server_flags(serve)
     add_cache_flags(serve)
     add_scheduler_flags(serve)

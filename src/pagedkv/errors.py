@@ -72,3 +72,24 @@ class PromptTooLongError(PagedKVError, ValueError):
 
 class EngineClosedError(PagedKVError):
     """The engine was closed (or is shutting down) and takes no more requests."""
+
+
+class AdapterError(PagedKVError, ValueError):
+    """A LoRA adapter cannot be loaded: a missing file, a config pagedkv does not
+    support, a rank above the limit, or weights that do not fit the base model."""
+
+
+class UnknownAdapterError(PagedKVError, KeyError):
+    """A request or call named a LoRA adapter that is not loaded."""
+
+    def __init__(self, name: str, loaded: list[str]) -> None:
+        self.name = name
+        self.loaded = loaded
+        listed = ", ".join(map(repr, loaded)) or "none"
+        super().__init__(
+            f"no LoRA adapter named {name!r} is loaded (loaded: {listed}); load it with "
+            "--lora NAME=DIR or POST /v1/adapters"
+        )
+
+    def __str__(self) -> str:  # KeyError's own quotes the message
+        return str(self.args[0])

@@ -59,6 +59,41 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
+    from pagedkv.model.lora import DEFAULT_MAX_LORA_RANK
+
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument(
+        "--lora",
+        action="append",
+        default=None,
+        metavar="NAME=DIR",
+        help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable; default: none); "
+        "requests select it with model NAME or BASE:NAME; more load at run time with "
+        "POST /v1/adapters",
+    )
+    g.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=int(env("--max-lora-rank", DEFAULT_MAX_LORA_RANK)),
+        help=f"largest LoRA rank r an adapter may have (default {DEFAULT_MAX_LORA_RANK})",
+    )
+
+
+def lora_flags(values: list[str] | None) -> list[tuple[str, str]]:
+    """`--lora NAME=DIR` values as (name, directory) pairs; ValueError names a bad one."""
+    pairs = []
+    for value in values or []:
+        name, sep, directory = value.partition("=")
+        if not sep or not name.strip() or not directory.strip():
+            raise ValueError(f"--lora {value!r} is not NAME=DIR (e.g. --lora sql=./sql-lora)")
+        pairs.append((name.strip(), directory.strip()))
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora names an adapter twice: {', '.join(names)}")
+    return pairs
+
+
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cache tiers")
     g.add_argument(

@@ -64,7 +64,7 @@ def bind_port(host: str, port: int) -> socket.socket:
 
 def check_serve_flags(args: argparse.Namespace) -> None:
     """Refuse, before the model loads, the flags of `pagedkv serve` that cannot work."""
-    from pagedkv.flags import cache_config_from_args
+    from pagedkv.flags import cache_config_from_args, lora_flags
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port number (0 to 65535; 0: any free)")
@@ -81,6 +81,15 @@ def check_serve_flags(args: argparse.Namespace) -> None:
     names = list(args.served_model_name or [])
     if any(not n.strip() for n in names):
         raise UsageError("a --served-model-name must not be empty")
+    try:
+        loras = lora_flags(getattr(args, "lora", None))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if getattr(args, "max_lora_rank", 1) < 1:
+        raise UsageError(f"--max-lora-rank {args.max_lora_rank} must be at least 1")
+    for name, directory in loras:
+        if not Path(directory).expanduser().is_dir():
+            raise UsageError(f"--lora {name}={directory}: {directory} is not a directory")
     if not config.enable_prefix_caching:
         return
     if config.ssd_cache_dir is not None:

@@ -55,9 +55,18 @@ def reference_outputs(model: Path, prompts: list[list[int]]) -> list[list[int]]:
         return [off.generate(p, GREEDY).token_ids for p in prompts]
 
 
-def run_worker(model: Path, cache: dict[str, Any], prompts: list[list[int]]) -> list[dict]:
-    """Run `engine_worker.py` in a new process; its JSON lines."""
+def run_worker(
+    model: Path,
+    cache: dict[str, Any],
+    prompts: list[list[int]],
+    loras: dict[str, str] | None = None,
+    adapters: list[str | None] | None = None,
+) -> list[dict]:
+    """Run `engine_worker.py` in a new process; its JSON lines. `loras`: adapters it
+    loads (name: directory); `adapters`: the one each prompt runs with."""
     spec = {"model": str(model), "cache": cache, "prompts": prompts, "max_tokens": 8}
+    if loras:
+        spec.update(loras=loras, adapters=adapters or [None] * len(prompts))
     out = subprocess.run(
         [sys.executable, str(WORKER), json.dumps(spec)],
         capture_output=True,

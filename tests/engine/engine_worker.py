@@ -1,7 +1,8 @@
 """Run an engine in a separate process: `python engine_worker.py SPEC_JSON` prints results.
 
 SPEC: {"model": dir, "cache": {CacheConfig kwargs}, "prompts": [[ids], ...],
-       "max_tokens": n}. Output: one JSON line per prompt with token_ids and
+       "max_tokens": n, "loras": {name: dir} (optional), "adapters": [name or null
+       per prompt] (optional)}. Output: one JSON line per prompt with token_ids and
 cached_tokens, then the cache stats.
 """
 
@@ -18,8 +19,11 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     engine = Engine.from_pretrained(spec["model"], config=CacheConfig(**spec["cache"]))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
-    for prompt in spec["prompts"]:
-        r = engine.generate(prompt, params)
+    for name, directory in spec.get("loras", {}).items():
+        engine.load_adapter(name, directory)
+    adapters = spec.get("adapters", [None] * len(spec["prompts"]))
+    for prompt, lora in zip(spec["prompts"], adapters, strict=True):
+        r = engine.generate(prompt, params, lora=lora)
         print(
             json.dumps(
                 {

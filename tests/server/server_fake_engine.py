@@ -115,6 +115,31 @@ class FakeEngine:
                 return event.result
         raise AssertionError("no result")
 
+    # LoRA adapters: names only (the app's routing and refusals; no weights).
+    adapters: dict[str, str]
+
+    def adapter_names(self) -> list[str]:
+        return sorted(getattr(self, "adapters", {}))
+
+    def describe_adapters(self) -> list[dict[str, Any]]:
+        return [{"name": n, "path": p} for n, p in sorted(getattr(self, "adapters", {}).items())]
+
+    def load_adapter(self, name: str, directory: str) -> dict[str, Any]:
+        from pagedkv.errors import AdapterError
+
+        if not directory.startswith("/ok"):
+            raise AdapterError(f"adapter {name!r}: {directory} is not a directory")
+        self.adapters = {**getattr(self, "adapters", {}), name: directory}
+        return {"name": name, "path": directory}
+
+    def unload_adapter(self, name: str) -> None:
+        from pagedkv.errors import UnknownAdapterError
+
+        adapters = dict(getattr(self, "adapters", {}))
+        if adapters.pop(name, None) is None:
+            raise UnknownAdapterError(name, sorted(adapters))
+        self.adapters = adapters
+
     def stream(
         self,
         prompt: str | Sequence[int],
@@ -122,7 +147,10 @@ class FakeEngine:
         *,
         cache_salt: str | None = None,
         owner: str | None = None,
+        lora: str | None = None,
     ) -> Iterator[StreamEvent]:
+        if lora is not None:
+            cache_salt = f"{cache_salt}|lora={lora}"  # the fake's cache keys on the salt
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         params = params or SamplingParams()
         if not ids:

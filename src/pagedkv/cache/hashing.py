@@ -49,7 +49,8 @@ def _field(tag: bytes, value: str | bytes | None) -> bytes:
 class ExtraKeys:
     """What besides the tokens decides a block's KV.
 
-    ``cache_salt`` (a tenant's secret) and ``adapter`` (a LoRA name) change the
+    ``cache_salt`` (a tenant's secret) and ``adapter`` (a LoRA adapter's digest of
+    its weights and config, never its name) change the
     root, so every block of the prompt. ``segments`` are ``(start_token, key)``
     ranges, e.g. an image's digest at the position of its placeholder tokens;
     block i takes the key of the last range with ``start < (i+1)*block_size``.

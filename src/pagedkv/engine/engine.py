@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pagedkv.cache.builder import build_prefix_cache
@@ -17,6 +18,7 @@ from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
 from pagedkv.config import CacheConfig, default_kv_budget_bytes
 from pagedkv.engine import reasoning
+from pagedkv.engine.adapters import Adapters
 from pagedkv.engine.explain import CacheExplanation, caching_off, describe
 from pagedkv.engine.grammar import GrammarCompiler
 from pagedkv.engine.reasoning import NextTurn, ReasoningPolicy
@@ -41,6 +43,7 @@ from pagedkv.model import ModelAdapter, load_model
 from pagedkv.model.batch import DeterministicRows, linear_layers
 from pagedkv.model.fingerprint import describe_namespace
 from pagedkv.model.generation_defaults import SamplingDefaults
+from pagedkv.model.lora import DEFAULT_MAX_LORA_RANK, LoraWeights
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +67,11 @@ class Engine:
         config: CacheConfig | None = None,
         max_queue: int = 64,
         scheduling: SchedulerConfig | None = None,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     ) -> None:
         """`adapter` is a loaded model, or a function that loads one (as
         `from_pretrained` passes): then the model loads on the worker thread.
+        LoRA adapters (of rank up to `max_lora_rank`) are loaded with `load_adapter`.
 
         Everything that computes with torch happens on the worker thread: loading
         (when given a loader), building the cache, the warm-up and every forward.
@@ -79,6 +84,7 @@ class Engine:
         self.max_queue = max_queue
         self.scheduling = scheduling or SchedulerConfig()
         self.caching_off_reason: str | None = None
+        self.max_lora_rank = max_lora_rank
         self.prefix: PrefixCache | None = None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._pending = 0
@@ -107,6 +113,7 @@ class Engine:
         dtype: str = "auto",
         max_queue: int = 64,
         scheduling: SchedulerConfig | None = None,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     ) -> Engine:
         """Load `model` on the worker thread: the bundled model's name, a Hugging Face
         directory, a .gguf file or a Hub id in the local Hugging Face cache
@@ -115,13 +122,14 @@ class Engine:
         def load() -> ModelAdapter:
             return load_model(model, device=device, dtype=dtype)
 
-        return cls(load, config, max_queue, scheduling)
+        return cls(load, config, max_queue, scheduling, max_lora_rank)
 
     def _set_up(self, adapter: ModelAdapter | Callable[[], ModelAdapter]) -> None:
         """On the worker thread: load, build the cache, the scheduler and the worker, warm up."""
         if not isinstance(adapter, ModelAdapter):
             adapter = adapter()
         self.adapter = adapter
+        self.adapters = Adapters(adapter, self._call, self.max_lora_rank)
         log.info("sampling defaults of %s: %s", adapter.name, self.sampling_defaults.describe())
         # Before any buffer exists, with caching on or off: the same rounding either way.
         adapter.set_kv_dtype(self.config.kv_dtype)
@@ -272,11 +280,12 @@ class Engine:
         *,
         cache_salt: str | None = None,
         owner: str | None = None,
+        lora: str | None = None,
     ) -> GenerationResult:
         """The finished request (`params.n` must be 1; see `generate_n`)."""
         if params is not None and params.n != 1:
             raise ValueError(f"generate returns one sample, n is {params.n}: use generate_n")
-        return self.generate_n(prompt, params, cache_salt=cache_salt, owner=owner)[0]
+        return self.generate_n(prompt, params, cache_salt=cache_salt, owner=owner, lora=lora)[0]
 
     def generate_n(
         self,
@@ -285,10 +294,11 @@ class Engine:
         *,
         cache_salt: str | None = None,
         owner: str | None = None,
+        lora: str | None = None,
     ) -> list[GenerationResult]:
         """The `params.n` samples of one request, by index."""
         results: dict[int, GenerationResult] = {}
-        for event in self.stream(prompt, params, cache_salt=cache_salt, owner=owner):
+        for event in self.stream(prompt, params, cache_salt=cache_salt, owner=owner, lora=lora):
             if event.finished:
                 assert event.result is not None
                 results[event.index] = event.result
@@ -303,16 +313,19 @@ class Engine:
         *,
         cache_salt: str | None = None,
         owner: str | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Events as tokens are generated. `cancel()` or `close()` ends the request.
         `owner` names who sent it (the server passes the API key's tenant): when the
         head of the waiting queue cannot start, other owners' requests may start
-        before it, in turn (see `Scheduler`); requests of one owner keep their order."""
+        before it, in turn (see `Scheduler`); requests of one owner keep their order.
+        `lora` names a loaded LoRA adapter to generate with (None: the base model)."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
             ids = _check_ids(prompt, self.vocab_size)
-        return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt, owner))
+        req = self._submit(ids, params or SamplingParams(), cache_salt, owner, lora)
+        return RequestStream(req)
 
     def prewarm(
         self,
@@ -410,6 +423,22 @@ class Engine:
         ids = self.apply_chat_template(messages)
         return self.stream(ids, params, cache_salt=cache_salt, owner=owner)
 
+    def load_adapter(self, name: str, directory: str | Path) -> dict[str, Any]:
+        """Load the PEFT LoRA adapter in `directory` as `name` (a reload when the name is
+        loaded); read and checked on this thread, installed between two steps
+        (`engine.adapters`). AdapterError says what is wrong with it."""
+        return self.adapters.load(name, directory)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`; running requests finish with it."""
+        self.adapters.unload(name)
+
+    def adapter_names(self) -> list[str]:
+        return self.adapters.names()
+
+    def describe_adapters(self) -> list[dict[str, Any]]:
+        return self.adapters.describe()
+
     def num_active_requests(self) -> int:
         with self._lock:
             return self._pending
@@ -472,6 +501,7 @@ class Engine:
         *,
         cache_salt: str | None = None,
         other_salts: Sequence[str] = (),
+        lora: str | None = None,
     ) -> CacheExplanation:
         """What a request for `prompt` with `cache_salt` would reuse if sent now, and the
         cause of its first recomputed token. Hashes and looks up; never runs the model,
@@ -488,9 +518,14 @@ class Engine:
             raise ValueError("the prompt is empty: give at least one token")
         if self.prefix is None:
             return caching_off(len(ids), self.caching_off_reason)
-        extra = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
-        others = [ExtraKeys(cache_salt=s) for s in dict.fromkeys(other_salts) if s != cache_salt]
-        exp = self.prefix.explain(ids, extra, other_tenants=others, think=self._think_ids)
+        held = None if lora is None else self.adapters.acquire(lora)
+        if held is not None:
+            self.adapters.release(held)
+        extra = _extra_keys(cache_salt, held)
+        others = [_extra_keys(s, held) for s in dict.fromkeys(other_salts) if s != cache_salt]
+        exp = self.prefix.explain(
+            ids, extra, other_tenants=[e for e in others if e is not None], think=self._think_ids
+        )
         return describe(exp, ids, self.decode)
 
     def clear_cache(self) -> None:
@@ -532,6 +567,7 @@ class Engine:
         params: SamplingParams,
         salt: str | None,
         owner: str | None,
+        lora_name: str | None = None,
         *,
         prefill_only: bool = False,
         background: bool = False,
@@ -550,15 +586,21 @@ class Engine:
             raise RequestTooLargeError(len(ids), answer, params.n, need, self.kv_budget_bytes)
         fmt = params.response_format
         grammar = None if fmt is None else self._grammars.compile(fmt)  # GrammarError: a 400
-        with self._lock:
-            if self._closed or self._dead is not None:
-                raise EngineClosedError(self._closed_reason())
-            if self._pending >= self.max_queue:
-                raise EngineOverloadedError(self._pending, self.max_queue)
-            self._pending += 1
-            self._submitted += 1
-        extra = ExtraKeys(cache_salt=salt) if salt else None
-        req = Request(ids, params, extra, owner=owner, grammar=grammar,
+        lora = None if lora_name is None else self.adapters.acquire(lora_name)
+        try:
+            with self._lock:
+                if self._closed or self._dead is not None:
+                    raise EngineClosedError(self._closed_reason())
+                if self._pending >= self.max_queue:
+                    raise EngineOverloadedError(self._pending, self.max_queue)
+                self._pending += 1
+                self._submitted += 1
+        except BaseException:
+            if lora is not None:
+                self.adapters.release(lora)
+            raise
+        extra = _extra_keys(salt, lora)
+        req = Request(ids, params, extra, owner=owner, grammar=grammar, lora=lora,
                       prefill_only=prefill_only, background=background)  # fmt: skip
         self._queue.put(req)
         return req
@@ -612,6 +654,7 @@ class Engine:
                 worker.fail_all(EngineClosedError("the engine is shutting down"))
                 return
             worker.step()
+            self.adapters.collect()
 
     def _take_queued(self, block: bool) -> bool:
         """Move queued requests to the scheduler and run queued calls; True on stop."""
@@ -661,6 +704,8 @@ class Engine:
                 self._request_done(item)
 
     def _request_done(self, req: Request) -> None:
+        if req.lora is not None:
+            self.adapters.release(req.lora)
         with self._lock:
             self._pending -= 1
             c = self._counters
@@ -672,6 +717,13 @@ class Engine:
             c.cached_tokens += max((r.cached_tokens for r in req.results), default=0)
             c.generated_tokens += sum(len(r.token_ids) for r in req.results)
             c.cancelled += any(r.finish_reason == "cancelled" for r in req.results)
+
+
+def _extra_keys(salt: str | None, lora: LoraWeights | None) -> ExtraKeys | None:
+    """The salt and the adapter's digest (its weights and config, never its name)."""
+    if not salt and lora is None:
+        return None
+    return ExtraKeys(cache_salt=salt or None, adapter=None if lora is None else lora.digest)
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:

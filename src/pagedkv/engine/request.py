@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pagedkv.cache.hashing import ExtraKeys
 from pagedkv.engine.grammar import CompiledGrammar
 from pagedkv.engine.sampling import SamplingParams
+from pagedkv.model.lora import LoraWeights
 
 
 @dataclass(slots=True)
@@ -81,6 +82,7 @@ class Request:
     grammar: CompiledGrammar | None = None
     prefill_only: bool = False
     background: bool = False
+    lora: LoraWeights | None = None  # the LoRA adapter it runs with, held to its end
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -340,7 +340,8 @@ class Worker:
                 ids = seq.tokens[seq.num_computed : seq.num_computed + n]
                 last = seq.num_computed + n == len(seq.tokens)
                 prompt = seq.num_computed < seq.num_prompt_tokens
-                chunks.append(SeqChunk(seq.kv, seq.num_computed, ids, last, prompt))
+                lora = seq.request.lora
+                chunks.append(SeqChunk(seq.kv, seq.num_computed, ids, last, prompt, lora))
             deterministic = self.scheduler.config.deterministic
             pad = deterministic or any(c.is_prompt for c in chunks)
             logits = self.adapter.forward_batch(
@@ -356,7 +357,7 @@ class Worker:
                 if every:  # end the chunk where the next snapshot is due
                     n = min(n, every - seq.num_computed % every)
                 ids = seq.tokens[seq.num_computed : seq.num_computed + n]
-                logits, seq.cache = self.adapter.forward(ids, seq.cache)
+                logits, seq.cache = self.adapter.forward(ids, seq.cache, seq.request.lora)
                 seq.num_computed += n
                 if every and seq.num_computed % every == 0 and seq.handle is not None:
                     self._keep_snapshot(seq)

@@ -51,6 +51,7 @@ import torch
 from transformers import AttentionInterface
 
 from pagedkv.model.kv_format import KVFormat
+from pagedkv.model.lora import LoraWeights
 
 ATTENTION_NAME = "pagedkv_ragged"
 # Multiple of the CPU flash-attention kernel's key block (512), so a sliding window's
@@ -92,6 +93,8 @@ class SeqChunk:
     # A one-token chunk is a decode step unless `prompt`: the last token of a prompt
     # whose rest was cached must round as it would inside the whole prompt.
     prompt: bool = False
+    # The LoRA adapter the chunk's rows go through (`model.lora_layers`); None: the base.
+    lora: LoraWeights | None = None
 
     @property
     def is_prompt(self) -> bool:

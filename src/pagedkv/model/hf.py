@@ -34,6 +34,8 @@ from pagedkv.model.kinds import LayerKinds, read_layer_kinds
 from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.kv_layer import GrowableLayer
 from pagedkv.model.linear import INT8_KERNEL, KERNEL, pack_linears, quantize_linears
+from pagedkv.model.lora import LoraWeights
+from pagedkv.model.lora_layers import LoraLayers, adapter_order, lora_groups, unpermute_wanted
 from pagedkv.model.resolve import resolve_model
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
 from pagedkv.model.token_bound import fewest_tokens, max_chars_per_token
@@ -149,6 +151,9 @@ class ModelAdapter:
             self._forward_kwargs["logits_to_keep"] = 1
 
         self.kinds: LayerKinds = read_layer_kinds(model.config)
+        # LoRA adapters installed on the linear layers (`model.lora_layers`); packing
+        # below changes the layers' classes in place, so the modules it holds stay.
+        self.lora_layers = LoraLayers(model)
         # Rows of every KV buffer and block: the layers that keep per-token KV.
         self.kv_layers: tuple[int, ...] = self.kinds.kv_layers
         self.num_kv_layers: int = len(self.kv_layers)
@@ -376,11 +381,21 @@ class ModelAdapter:
         buffer. Returns the float32 logits `[wanted, vocab]` of the chunks that want
         them, in chunk order. `pad_rows` pads the batch (`DeterministicRows`);
         `group_decode`: attend the decode rows in one call (see `RaggedPlan`)."""
+        # Rows of one adapter side by side, so each adapter's rows are one slice
+        # (`model.lora_layers`); the logits go back to the caller's order below.
+        order = adapter_order([c.lora for c in chunks])
+        if order is not None:
+            chunks = [chunks[i] for i in order]
         plan, ids, positions, keep = plan_batch(
             chunks, pad_rows, self.device, self.kv_format, group_decode
         )
         wanted = sum(c.want_logits for c in chunks)
-        with torch.inference_mode():
+        groups = []
+        if any(c.lora is not None for c in chunks):
+            lengths = [len(c.token_ids) for c in chunks]
+            loras = [c.lora for c in chunks]
+            groups = lora_groups(loras, plan.offsets, lengths, self.device)
+        with torch.inference_mode(), self.lora_layers.route(groups):
             out = self.model(
                 input_ids=ids,
                 position_ids=positions,
@@ -388,14 +403,21 @@ class ModelAdapter:
                 logits_to_keep=keep,
                 pagedkv_plan=plan,
             )
-        return out.logits[0, :wanted].float()
+        logits = out.logits[0, :wanted].float()
+        if order is not None:
+            logits = logits[unpermute_wanted(order, [c.want_logits for c in chunks])]
+        return logits
 
     # ---- compute --------------------------------------------------------
 
     def forward(
-        self, input_ids: Sequence[int] | torch.Tensor, cache: Any = None
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        cache: Any = None,
+        lora: LoraWeights | None = None,
     ) -> tuple[torch.Tensor, Any]:
-        """Run `input_ids` after the tokens already in `cache` (None = empty cache).
+        """Run `input_ids` after the tokens already in `cache` (None = empty cache),
+        through the LoRA adapter `lora` (installed; None: the base model).
 
         Returns the float32 logits of the last position `[vocab]` and the cache,
         which now also holds `input_ids`.
@@ -408,7 +430,9 @@ class ModelAdapter:
             raise ValueError("forward needs at least one input token")
         if cache is None:
             cache = self.new_cache()
-        with torch.inference_mode():
+        rows = ids.shape[1]
+        groups = [] if lora is None else lora_groups([lora], [0], [rows], self.device)
+        with torch.inference_mode(), self.lora_layers.route(groups):
             out = self.model(input_ids=ids, **{self._cache_kw: cache}, **self._forward_kwargs)
         logits = out.logits[0, -1].float()
         new_cache = out.cache if self._cache_kw == "cache" else out.past_key_values

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.engine.request import StreamEvent
 from pagedkv.errors import PromptTooLongError
+from pagedkv.server.adapters import ModelNames, add_adapter_routes
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
@@ -161,7 +162,7 @@ def create_app(
         tools=tool_support(engine.chat_template, tool_call_parser),
         share=KeyShare(max_requests_per_key),
     )
-    known_models = dict.fromkeys([*names, engine.model_name])  # ordered, for the 404's list
+    models = ModelNames(engine, [*names, engine.model_name])  # base names, then adapters
     app = FastAPI(title="pagedkv", version="0.1.0", strict_content_type=False)
     app.state.pagedkv = state
     # Outermost last: count every response, then the key, then the body's size and limits.
@@ -177,19 +178,14 @@ def create_app(
     add_error_handlers(app)
 
     def check_open(model: str | None) -> None:
+        """Refuse while closing, and a `model` that is neither the base nor an adapter."""
         if state.closing:
             raise shutting_down()
-        if model is not None and model not in known_models:
-            raise unknown_model(model, "model")
+        models.adapter_of(model)
 
-    def unknown_model(model: str, param: str) -> APIError:
-        return APIError(
-            404,
-            f"model {model!r} does not exist; this server serves "
-            f"{', '.join(map(repr, known_models))} (see GET /v1/models)",
-            param=param,
-            code="model_not_found",
-        )
+    def check_admin(tenant: Tenant, what: str) -> None:
+        if not tenant.is_admin:
+            raise APIError(403, f"{what} needs an admin key", code="admin_key_required")
 
     async def generate(
         request: Request,
@@ -232,11 +228,12 @@ def create_app(
             body, max_tokens, logprobs, engine.sampling_defaults, state.vocab_size, tools
         )
         salt = tenant.cache_salt(body.cache_salt)
+        lora = models.adapter_of(body.model)
         stream = body.stream
         include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
         options = Options(
             kind="chat" if chat else "completion",
-            model=state.model_name,
+            model=body.model if lora is not None and body.model else state.model_name,
             include_usage=include_usage,
             logprobs=logprobs,
             n=params.n,
@@ -246,7 +243,7 @@ def create_app(
         )
 
         def open_stream() -> Iterator[StreamEvent]:
-            return engine.stream(ids, params, cache_salt=salt, owner=tenant.salt)
+            return engine.stream(ids, params, cache_salt=salt, owner=tenant.salt, lora=lora)
 
         def on_close(gen: Generation) -> None:
             state.generations.discard(gen)
@@ -305,25 +302,29 @@ def create_app(
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card(model_id: str) -> dict[str, Any]:
-        return {
+    def model_card(model_id: str, parent: str | None = None) -> dict[str, Any]:
+        card = {
             "id": model_id,
             "object": "model",
             "created": state.created,
             "owned_by": "pagedkv",
             "max_model_len": engine.max_context,
         }
+        if parent is not None:  # a LoRA adapter on the base model, as vLLM lists them
+            card["parent"] = parent
+        return card
 
     @app.get("/v1/models", response_model=ModelList, responses=ERRORS)
     async def list_models(tenant: TenantDep) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card(state.model_name)]})
+        cards = [model_card(state.model_name)]
+        cards += [model_card(name, state.model_name) for name in engine.adapter_names()]
+        return JSONResponse({"object": "list", "data": cards})
 
     # `:path`: Hub ids hold a slash (`ORG/NAME`), which clients send encoded or not.
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
     async def retrieve_model(model_id: str, tenant: TenantDep) -> Response:
-        if model_id not in known_models:
-            raise unknown_model(model_id, "model_id")
-        return JSONResponse(model_card(model_id))
+        lora = models.adapter_of(model_id, "model_id")
+        return JSONResponse(model_card(model_id, None if lora is None else state.model_name))
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=STREAMS)
     async def completions(request: Request, body: CompletionRequest, tenant: TenantDep) -> Response:
@@ -413,9 +414,11 @@ def create_app(
         other_salts=lambda tenant: [s for s in state.keys.salts() if s != tenant.salt],
         drift=RenderMemory(),
         on_miss=state.dashboard.explained,
+        adapter_of=models.adapter_of,
     )
     after_turn = AfterTurn(engine, state.render)
     add_prewarm_route(app, PrewarmContext(engine, state.model_name, check_open, chat_prompt, admit))
+    add_adapter_routes(app, engine, models, check_admin)
 
     @app.post("/v1/cache/explain", responses=ERRORS)
     async def cache_explain(body: ChatExplainRequest, tenant: TenantDep) -> Response:
@@ -427,8 +430,7 @@ def create_app(
 
     @app.post("/v1/cache/clear", responses={**ERRORS, 403: {"model": ErrorResponse}})
     async def cache_clear(tenant: TenantDep) -> Response:
-        if not tenant.is_admin:
-            raise APIError(403, "clearing the cache needs an admin key", code="admin_key_required")
+        check_admin(tenant, "clearing the cache")
         if state.closing:
             raise shutting_down()
         await to_thread.run_sync(engine.clear_cache)

@@ -82,6 +82,8 @@ class Explainer:
     metrics: ServerMetrics | None = None
     other_salts: Callable[[Tenant], Sequence[str]] | None = None
     drift: RenderMemory | None = None
+    # Which LoRA adapter a request's `model` names (`server.adapters.ModelNames`).
+    adapter_of: Callable[[str | None], str | None] | None = None
 
     async def explain(
         self,
@@ -89,6 +91,7 @@ class Explainer:
         tenant: Tenant,
         sections: SectionMap | None = None,
     ) -> dict[str, Any]:
+        lora = self.adapter_of(body.model) if self.adapter_of is not None else None
         ids, _ = await self.prompt_only(body, tenant)
         salt = tenant.cache_salt(body.cache_salt)
         others: Sequence[str] = ()
@@ -96,7 +99,9 @@ class Explainer:
             others = self.other_salts(tenant)
         try:
             answer = await to_thread.run_sync(
-                functools.partial(self.engine.explain, ids, cache_salt=salt, other_salts=others)
+                functools.partial(
+                    self.engine.explain, ids, cache_salt=salt, other_salts=others, lora=lora
+                )
             )
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from exc

@@ -21,6 +21,7 @@ from pagedkv.errors import (
     OutOfBlocksError,
     PagedKVError,
     RequestTooLargeError,
+    UnknownAdapterError,
 )
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ def from_engine_error(exc: BaseException, *, closing: bool) -> APIError | None:
         )
     if isinstance(exc, RequestTooLargeError):
         return bad_request(str(exc), "max_tokens", code="request_too_large")
+    if isinstance(exc, UnknownAdapterError):  # unloaded since the route looked
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, OutOfBlocksError):
         return APIError(
             503,

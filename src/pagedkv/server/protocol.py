@@ -222,6 +222,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedkv"
     max_model_len: int | None = None
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -266,6 +266,17 @@ def _log_startup(
         engine.max_context,
         ", ".join(names),
     )
+    for adapter in engine.describe_adapters():
+        log.info(
+            "LoRA adapter %s (rank %d, digest %s) from %s; requests may name it %s or %s:%s",
+            adapter["name"],
+            adapter["rank"],
+            adapter["digest"],
+            adapter["path"],
+            adapter["name"],
+            names[0],
+            adapter["name"],
+        )
     stats = engine.cache_stats()
     for line in _cache_lines(stats):
         log.info("cache: %s", line)
