@@ -18,6 +18,8 @@ import httpx
 import pytest
 from server_proc import ServerProc, running, server_model_dir, start_server
 
+from pagedkv.cache.explain import REASONS
+
 __all__ = ["server_model_dir"]  # a fixture, used by name
 
 pytestmark = pytest.mark.slow
@@ -204,7 +206,7 @@ def test_loads_with_the_key_every_panel_renders_and_numbers_match(
     assert names == ["key1", "key2"]
     misses = browser.find_elements(By.CSS_SELECTOR, "#miss-table tbody tr")
     reasons = [r.find_elements(By.TAG_NAME, "td")[5].get_attribute("textContent") for r in misses]
-    assert reasons[0] in ("new", "diverged", "evicted") and "unexplained" in reasons
+    assert reasons[0] in REASONS and "unexplained" in reasons  # the admin's explain, requests
     assert "Tell me" not in browser.page_source  # no prompt text on the page
     assert "This server keeps no leases." in browser.page_source
 

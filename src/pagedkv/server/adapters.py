@@ -25,6 +25,7 @@ from pagedkv.errors import AdapterError, UnknownAdapterError
 from pagedkv.server.authn import TenantDep
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.http_errors import APIError
+from pagedkv.server.protocol import ERRORS
 
 
 class AdapterLoadRequest(BaseModel):
@@ -75,12 +76,12 @@ def add_adapter_routes(
 ) -> None:
     """`GET`, `POST /v1/adapters` and `DELETE /v1/adapters/{name}` (admin keys only)."""
 
-    @app.get("/v1/adapters")
+    @app.get("/v1/adapters", responses=ERRORS)
     async def list_adapters(tenant: TenantDep) -> Response:
         check_admin(tenant, "listing adapters")
         return JSONResponse({"object": "list", "data": engine.describe_adapters()})
 
-    @app.post("/v1/adapters")
+    @app.post("/v1/adapters", responses=ERRORS)
     async def load_adapter(body: AdapterLoadRequest, tenant: TenantDep) -> Response:
         check_admin(tenant, "loading an adapter")
         if body.name in names.base_names:
@@ -97,7 +98,7 @@ def add_adapter_routes(
             raise APIError(400, str(exc), param="path", code="invalid_adapter") from exc
         return JSONResponse(info)
 
-    @app.delete("/v1/adapters/{name:path}")
+    @app.delete("/v1/adapters/{name:path}", responses=ERRORS)
     async def unload_adapter(name: str, tenant: TenantDep) -> Response:
         check_admin(tenant, "unloading an adapter")
         try:

@@ -69,6 +69,7 @@ from pagedkv.server.prepare import (
 )
 from pagedkv.server.prewarm import AfterTurn, PrewarmContext, add_prewarm_route
 from pagedkv.server.protocol import (
+    ERRORS,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -89,9 +90,6 @@ from pagedkv.server.unknown_fields import refuse_unknown_fields
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
-ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)
-}
 STREAMS: dict[int | str, dict[str, Any]] = {
     **ERRORS,
     200: {

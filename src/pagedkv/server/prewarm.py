@@ -42,7 +42,7 @@ from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.http_errors import APIError, bad_request, from_engine_error
 from pagedkv.server.limits import ShareHeld
 from pagedkv.server.prepare import chat_messages, check_prompt_fits, check_supported
-from pagedkv.server.protocol import ChatCompletionRequest
+from pagedkv.server.protocol import ERRORS, ChatCompletionRequest
 from pagedkv.server.render_pool import RenderPool
 from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import template_tools
@@ -63,7 +63,7 @@ class PrewarmContext:
 
 
 def add_prewarm_route(app: FastAPI, ctx: PrewarmContext) -> None:
-    @app.post("/v1/cache/prewarm")
+    @app.post("/v1/cache/prewarm", responses=ERRORS)
     async def cache_prewarm(request: Request, tenant: TenantDep) -> Response:
         """Prefill and store this request's prompt without generating; answered once it
         is stored: `prompt_tokens`, `cached_tokens` (found before), `stored_tokens`."""

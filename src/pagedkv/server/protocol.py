@@ -205,6 +205,12 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+# The error answers an OpenAPI operation documents (`responses=ERRORS`).
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 403, 404, 413, 429, 503)
+}
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 

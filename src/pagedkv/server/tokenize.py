@@ -36,9 +36,9 @@ from pagedkv.server.http_errors import bad_request
 from pagedkv.server.limits import ShareHeld
 from pagedkv.server.prepare import chat_messages, check_token_ids
 from pagedkv.server.protocol import (
+    ERRORS,
     ChatCompletionRequest,
     ChatMessage,
-    ErrorResponse,
     Text,
     TokenId,
     ToolDef,
@@ -48,9 +48,6 @@ from pagedkv.server.tools import ToolSupport
 from pagedkv.server.tools.request import template_tools, tool_mode
 from pagedkv.server.unknown_fields import refuse_unknown_fields
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)
-}
 _TOKENIZE_FIELDS = (
     "model, prompt or messages, add_special_tokens, add_generation_prompt, tools and "
     "return_token_strs"
