@@ -6,7 +6,20 @@ names load on first use.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
+
+# AMX tiles (Sapphire Rapids and later) make oneDNN's bfloat16 products round a row
+# differently with the number of rows, at any count (measured on a Xeon with AMX:
+# rows among 256, 300 or 512 differ from the same rows among 1100, and most counts
+# under 80 differ too), so no padding keeps a sequence's KV independent of what
+# else runs and cached == fresh fails in bfloat16. Capped at AVX512-BF16, the same
+# products are bit-identical at every count measured (1-80, 100-1100). oneDNN reads
+# the cap at its first product, so it is set here, before any pagedkv module runs
+# one; an operator's own ONEDNN_MAX_CPU_ISA wins, and is part of the linear
+# kernel's name in the namespace (`model/linear.py`). Rejected: fixed-size row
+# tiles through AMX (every product padded to one row count).
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 from pagedkv.cache.hashing import BlockHasher, ExtraKeys
 from pagedkv.cache.pool import Block, BlockPool, BlockTable, PoolStats, PrefixMatch

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from pagedkv.model import load_model
 from pagedkv.model.fingerprint import _state_dict_digest
-from pagedkv.model.linear import Int8Linear, PackedLinear, pack_linears, quantize_linears
+from pagedkv.model.linear import KERNEL, Int8Linear, PackedLinear, pack_linears, quantize_linears
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
@@ -80,8 +80,8 @@ def test_the_adapter_packs_its_model_and_names_the_kernel(tiny_llama_dir: Path) 
     adapter = load_model(tiny_llama_dir)
     linears = [m for m in adapter.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is PackedLinear for m in linears)
-    assert adapter.linear_kernel == "onednn-packed"
-    assert adapter.identity(16)["linear"] == "onednn-packed"
+    assert adapter.linear_kernel == KERNEL
+    assert adapter.identity(16)["linear"] == KERNEL
 
 
 def test_int8_layers_compute_what_float_ones_did_to_the_weights_rounding() -> None:

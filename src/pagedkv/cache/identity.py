@@ -34,7 +34,7 @@ NAMESPACE_FIELDS = (
     "config",  # canonical JSON of the config fields that reach the forward pass
     "dtype",  # the parameters' dtype
     "kv_dtype",  # how KV is stored (the model's dtype when kv_dtype is auto)
-    "linear",  # the linear layers' kernel ("torch", "onednn-packed", "int8-pair")
+    "linear",  # the linear layers' kernel ("torch", "onednn-packed:isa<=...", "int8-pair")
     "attention",  # the attention kernel and the shape family prompt chunks use
     "mode",  # how a step's rows are batched ("grouped", "deterministic", "one-sequence")
     "block_size",  # tokens per block, decimal

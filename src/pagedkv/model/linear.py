@@ -42,11 +42,15 @@ float32's packed oneDNN (docs/benchmarks.md, "Compact weights").
 
 from __future__ import annotations
 
+import os
 import typing
 
 import torch
 
-KERNEL = "onednn-packed"  # in the model's identity: KV computed another way rounds otherwise
+# The oneDNN ISA cap `pagedkv/__init__.py` sets (AMX breaks bfloat16 exactness there).
+ONEDNN_ISA = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL")
+# In the model's identity: KV computed another way rounds otherwise.
+KERNEL = f"onednn-packed:isa<={ONEDNN_ISA.lower()}"
 INT8_KERNEL = "int8-pair"
 # The row count the packed layout is chosen for: a decode step's few rows. The products
 # of 1 and 512 rows measured as fast over it as over a layout packed for them.
