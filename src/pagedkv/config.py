@@ -107,6 +107,8 @@ class CacheConfig:
     # Models with recurrent layers: snapshot the state every this many blocks.
     snapshot_interval_blocks: int = 1
     kv_dtype: str = "auto"  # one of KV_DTYPES; part of the namespace
+    # At most this fraction of each tier may be held by leases (`cache.leases`).
+    max_leased_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -119,6 +121,9 @@ class CacheConfig:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}"
             )
+        f = self.max_leased_fraction
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"max_leased_fraction must be a number from 0 to 1, got {f!r}")
         if self.redis_cluster and not self.redis_url:
             raise ValueError(
                 "redis_cluster needs redis_url: the URL of any node of the cluster "

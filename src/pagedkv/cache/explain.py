@@ -32,7 +32,7 @@ from pagedkv.cache.history import CacheHistory, Departure, common_prefix
 from pagedkv.cache.pool import BlockPool
 from pagedkv.cache.tiers import LowerTiers
 
-Reason = Literal["new", "diverged", "evicted"]
+Reason = Literal["new", "diverged", "evicted", "lease_expired"]
 TIER_NAMES = ("ram", "ssd", "redis")
 
 
@@ -129,7 +129,8 @@ def _cause(
         dep = gone.departure
         cleared = history.cleared_at
         cleared_after = cleared if cleared is not None and cleared >= dep.when else None
-        return MissCause(index, "evicted", dep, lower_names, cleared_after)
+        reason: Reason = "lease_expired" if dep.reason == "lease_expired" else "evicted"
+        return MissCause(index, reason, dep, lower_names, cleared_after)
     if any_live or gone is not None:
         return MissCause(index, "diverged", None, lower_names)
     return MissCause(index, "new", None, lower_names)

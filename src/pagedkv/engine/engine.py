@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedkv.cache.builder import build_prefix_cache
 from pagedkv.cache.hashing import ExtraKeys
+from pagedkv.cache.leases import LeaseRequest
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
 from pagedkv.config import CacheConfig, default_kv_budget_bytes
@@ -272,16 +273,20 @@ class Engine:
         *,
         cache_salt: str | None = None,
         owner: str | None = None,
+        leases: Sequence[LeaseRequest] = (),
     ) -> RequestStream:
         """Events as tokens are generated. `cancel()` or `close()` ends the request.
         `owner` names who sent it (the server passes the API key's tenant): when the
         head of the waiting queue cannot start, other owners' requests may start
-        before it, in turn (see `Scheduler`); requests of one owner keep their order."""
+        before it, in turn (see `Scheduler`); requests of one owner keep their order.
+        `leases`: prefixes of the prompt to lease once it is cached (`cache.leases`),
+        owned by `owner`; ignored when prefix caching is off."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
             ids = _check_ids(prompt, self.vocab_size)
-        return RequestStream(self._submit(ids, params or SamplingParams(), cache_salt, owner))
+        req = self._submit(ids, params or SamplingParams(), cache_salt, owner, tuple(leases))
+        return RequestStream(req)
 
     def chat(
         self,
@@ -373,6 +378,21 @@ class Engine:
         extra = ExtraKeys(cache_salt=cache_salt) if cache_salt else None
         return describe(self.prefix.explain(ids, extra), ids, self.decode)
 
+    def list_leases(
+        self, owner: str | None = None, *, all_owners: bool = True
+    ) -> list[dict[str, Any]]:
+        """The live leases (`cache.leases`), least recently renewed first, as JSON; of
+        `owner` only unless `all_owners`. Any thread."""
+        if self.prefix is None:
+            return []
+        table = self.prefix.leases
+        now = table.clock()
+        return [lease.to_json(now) for lease in table.list(owner, all_tenants=all_owners)]
+
+    def drop_lease(self, lease_id: str) -> bool:
+        """Lapse the lease `lease_id` now; False when there is none. Any thread."""
+        return self.prefix is not None and self.prefix.leases.drop(lease_id)
+
     def clear_cache(self) -> None:
         """Forget this model's unreferenced cached blocks in every tier (other models'
         blocks in a shared SSD directory or Redis stay).
@@ -407,7 +427,12 @@ class Engine:
     # -- caller side --------------------------------------------------------
 
     def _submit(
-        self, ids: list[int], params: SamplingParams, salt: str | None, owner: str | None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        salt: str | None,
+        owner: str | None,
+        leases: tuple[LeaseRequest, ...] = (),
     ) -> Request:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -431,7 +456,7 @@ class Engine:
             self._pending += 1
             self._submitted += 1
         extra = ExtraKeys(cache_salt=salt) if salt else None
-        req = Request(ids, params, extra, owner=owner, grammar=grammar)
+        req = Request(ids, params, extra, owner=owner, grammar=grammar, leases=leases)
         self._queue.put(req)
         return req
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pagedkv.cache.hashing import ExtraKeys
+from pagedkv.cache.leases import LeaseRequest
 from pagedkv.engine.grammar import CompiledGrammar
 from pagedkv.engine.sampling import SamplingParams
 
@@ -35,6 +36,8 @@ class GenerationResult:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     tier_hits: dict[str, int] = field(default_factory=dict)
     index: int = 0  # which of the request's `n` samples
+    # Prompt tokens a lease the request asked for covers now (`Request.leases`).
+    leased_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -71,6 +74,8 @@ class Request:
     extra: ExtraKeys | None
     owner: str | None = None
     grammar: CompiledGrammar | None = None
+    leases: tuple[LeaseRequest, ...] = ()  # granted once the prompt is cached
+    leased_tokens: int = 0  # what the grants covered (the longest)
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

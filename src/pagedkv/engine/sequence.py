@@ -89,4 +89,5 @@ class Sequence:
             top_logprobs=list(self.top_logprobs) if req.params.top_logprobs else None,
             tier_hits=dict(self.tier_hits),
             index=self.index,
+            leased_tokens=req.leased_tokens,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+from pagedkv.cache.leases import LeaseRequest
 from pagedkv.engine.explain import CacheExplanation
 from pagedkv.engine.request import StreamEvent
 from pagedkv.engine.sampling import SamplingParams
@@ -57,7 +58,14 @@ class EngineAPI(Protocol):
         *,
         cache_salt: str | None = None,
         owner: str | None = None,
+        leases: Sequence[LeaseRequest] = (),
     ) -> Iterator[StreamEvent]: ...
+
+    def list_leases(
+        self, owner: str | None = None, *, all_owners: bool = True
+    ) -> list[dict[str, Any]]: ...
+
+    def drop_lease(self, lease_id: str) -> bool: ...
 
     def num_active_requests(self) -> int: ...
 

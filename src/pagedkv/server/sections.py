@@ -181,3 +181,19 @@ def request_section(
     messages, tools = chat_messages(body), template_tools(body)
     render = engine.apply_chat_template
     return locate_section(render, messages, tools, prompt, len(prompt), index)
+
+
+def message_end(
+    render: Render, messages: Sequence[dict[str, Any]], tools: Any, prompt: Sequence[int], k: int
+) -> int | None:
+    """Where message k-1 ends in `prompt` (the template's render of all `messages`):
+    the end of the prompt for the last message; None when unknown."""
+    return len(prompt) if k >= len(messages) else _boundary(render, messages, tools, prompt, k)
+
+
+def tools_end(
+    render: Render, messages: Sequence[dict[str, Any]], prompt: Sequence[int]
+) -> int | None:
+    """Where the tool definitions end in `prompt`; None when unknown."""
+    span = _tools_span(render, messages, prompt)
+    return None if span is None else span[1]
