@@ -135,6 +135,7 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--ram-cache", default="64MB")
     p.add_argument("--ssd-cache-dir", default=None)
+    p.add_argument("--max-leased-fraction", type=float, default=0.5)
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
     p.add_argument("--drain-timeout", type=float, default=5.0)
@@ -154,7 +155,10 @@ def main() -> int:
     if a.metrics_key:
         extra["metrics_keys"] = a.metrics_key
     cache = CacheConfig(
-        block_size=a.block_size, ram_cache_bytes=a.ram_cache, ssd_cache_dir=a.ssd_cache_dir
+        block_size=a.block_size,
+        ram_cache_bytes=a.ram_cache,
+        ssd_cache_dir=a.ssd_cache_dir,
+        max_leased_fraction=a.max_leased_fraction,
     )
     engine = Engine.from_pretrained(
         a.model, config=cache, device="cpu", dtype="float32", max_queue=a.max_queue
