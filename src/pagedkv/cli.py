@@ -346,8 +346,9 @@ def _add_workload_flags(bench: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--workload",
         action="append",
-        choices=["chat", "agent", "shared-prefix", "restart"],
-        help="workload to run (repeatable; default: all)",
+        choices=["chat", "agent", "shared-prefix", "restart", "flood"],
+        help="workload to run (repeatable; default: all but flood, which runs only "
+        "when named: a leased prefix against 20x the RAM tier of other traffic)",
     )
     g.add_argument(
         "--quick", action="store_true", help="small sizes, minutes not hours (default: full)"
