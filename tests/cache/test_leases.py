@@ -10,6 +10,7 @@ block while unleased ones are left to evict.
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -17,6 +18,7 @@ from pagedkv.cache.hashing import HashChain
 from pagedkv.cache.history import CacheHistory
 from pagedkv.cache.leases import LeaseRequest, LeaseTable
 from pagedkv.cache.pool import BlockPool
+from pagedkv.config import CacheConfig
 
 BS = 2
 
@@ -129,6 +131,20 @@ def test_a_tenants_second_grant_renews_its_lease_and_others_get_their_own() -> N
     assert table.drop(first.lease_id) and not table.drop(first.lease_id)
     assert pool.is_leased(p.hashes[0])  # b's lease still covers it
     table.check()
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, "0.5", True])
+def test_a_fraction_outside_zero_to_one_is_refused(fraction: object) -> None:
+    with pytest.raises(ValueError, match="max_leased_fraction"):
+        CacheConfig(max_leased_fraction=fraction)  # type: ignore[arg-type]
+
+
+def test_a_zero_fraction_leases_nothing() -> None:
+    pool = BlockPool(block_size=BS, max_blocks=9, initial_blocks=9)
+    table = LeaseTable(pool, 0.0, Clock())
+    p = store(pool, [1, 2, 3, 4])
+    assert table.grant("a", p.hashes, 4, LeaseRequest(4, 300.0)) is None
+    assert pool.num_leased_hashes == 0
 
 
 class LeaseMachine(RuleBasedStateMachine):

@@ -39,11 +39,11 @@ class FloodShape:
 
 
 # Sized so that the prefix takes a third of the RAM tier (under the default
-# --max-leased-fraction of 0.5). full is the 10K-token prefix: 480K flood
-# tokens, for an accelerator; quick prefills ~60K tokens, minutes on a CPU.
+# --max-leased-fraction of 0.5). full is the 10K-token prefix: 600K flood
+# tokens, for an accelerator; quick prefills ~31K tokens per run, minutes on a CPU.
 SHAPES = {
     "tiny": FloodShape(64, 192, 48, 8),
-    "quick": FloodShape(1024, 3072, 512, 32),
+    "quick": FloodShape(512, 1536, 512, 32),
     "full": FloodShape(10240, 30720, 2048, 64),
 }
 TARGET_REUSE = 0.98
@@ -126,8 +126,8 @@ def run_flood(adapter: Any, size: str, config: CacheConfig, seed: int = 0) -> di
     for lease in (True, False):
         run_config = dataclasses.replace(config, hash_seed=os.urandom(16))
         if config.ssd_cache_dir is not None:
-            leased = "leased" if lease else "unleased"
-            run_config.ssd_cache_dir = os.path.join(str(config.ssd_cache_dir), leased)
+            sub = "leased" if lease else "unleased"
+            run_config.ssd_cache_dir = os.path.join(str(config.ssd_cache_dir), sub)
         runs.append(_run_once(adapter, shape, run_config, seed, lease))
     leased = runs[0]
     ratio = leased["ttft_ratio"]
