@@ -142,7 +142,10 @@ class LeaseTable:
             if lease_id is not None:
                 lease = self._leases[lease_id]
                 lease.ttl_s = max(lease.ttl_s, request.ttl_s)
-                lease.ram_only = lease.ram_only and request.ram_only
+                if lease.ram_only and not request.ram_only:  # now on every tier
+                    lease.ram_only = False
+                    if self.on_grant is not None:
+                        self.on_grant(lease.hashes, lease.ttl_s)
                 self._renew(lease, now)
                 return lease
             lease = Lease(
