@@ -355,8 +355,9 @@ def _add_workload_flags(bench: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--workload",
         action="append",
-        choices=["chat", "agent", "agent-reasoning", "shared-prefix", "restart"],
-        help="workload to run (repeatable; default: all but agent-reasoning)",
+        choices=["chat", "agent", "agent-reasoning", "shared-prefix", "restart", "flood"],
+        help="workload to run (repeatable; default: all but agent-reasoning and flood, which "
+        "run only when named; flood: a leased prefix against 20x the RAM tier of other traffic)",
     )
     g.add_argument(
         "--quick", action="store_true", help="small sizes, minutes not hours (default: full)"

@@ -110,6 +110,8 @@ class CacheConfig:
     # Store each finished turn in the next prompt's form too when the chat template strips
     # reasoning: "auto" (a render test decides), "on", "off" (`engine.reasoning`).
     reasoning_cache: str = "auto"
+    # At most this fraction of each tier may be held by leases (`cache.leases`).
+    max_leased_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -126,6 +128,9 @@ class CacheConfig:
             raise ValueError(
                 f"reasoning_cache must be 'auto', 'on' or 'off'; got {self.reasoning_cache!r}"
             )
+        f = self.max_leased_fraction
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"max_leased_fraction must be a number from 0 to 1, got {f!r}")
         if self.redis_cluster and not self.redis_url:
             raise ValueError(
                 "redis_cluster needs redis_url: the URL of any node of the cluster "

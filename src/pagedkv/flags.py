@@ -163,6 +163,14 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         help="turn prefix caching off (default: on)",
     )
     g.add_argument(
+        "--max-leased-fraction",
+        type=float,
+        default=float(env("--max-leased-fraction", 0.5)),
+        help="at most this fraction of each tier (RAM blocks, SSD bytes) is kept by "
+        "cache_control / prompt_cache_retention leases; past it the oldest lease lapses "
+        "(default 0.5; 0 turns leases off)",
+    )
+    g.add_argument(
         "--snapshot-interval-blocks",
         type=int,
         default=int(env("--snapshot-interval-blocks", 1)),
@@ -237,4 +245,5 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         snapshot_interval_blocks=getattr(args, "snapshot_interval_blocks", 1),
         kv_dtype=getattr(args, "kv_dtype", "auto"),
         reasoning_cache=getattr(args, "reasoning_cache", "auto"),
+        max_leased_fraction=getattr(args, "max_leased_fraction", 0.5),
     )

@@ -135,6 +135,7 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--ram-cache", default="64MB")
     p.add_argument("--ssd-cache-dir", default=None)
+    p.add_argument("--max-leased-fraction", type=float, default=0.5)
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--max-body-bytes", type=int, default=1024 * 1024)
     p.add_argument("--drain-timeout", type=float, default=5.0)
@@ -164,6 +165,7 @@ def main() -> int:
         kv_dtype=a.kv_dtype,
         snapshot_interval_blocks=a.snapshot_interval_blocks,
         reasoning_cache=a.reasoning_cache,
+        max_leased_fraction=a.max_leased_fraction,
     )
     if a.max_requests_per_key is not None:
         extra["max_requests_per_key"] = a.max_requests_per_key

@@ -58,7 +58,8 @@ def test_create_reports_usage_that_sums_to_the_prompt_and_reuses_the_cache(
     u = first.usage
     assert u.cache_read_input_tokens == 0
     assert u.input_tokens + (u.cache_creation_input_tokens or 0) == counted
-    assert (u.cache_creation_input_tokens or 0) >= counted - 16  # its full 16-token blocks
+    # Created: the whole 16-token blocks up to the system prompt's breakpoint, leased.
+    assert 0 <= (u.cache_creation_input_tokens or 0) < counted - 16
     second = client.messages.create(**kw)
     v = second.usage
     assert v.cache_read_input_tokens and v.cache_read_input_tokens >= counted - 16

@@ -120,7 +120,9 @@ def build_prefix_cache(
             state_bytes / 2**20,
         )
     lower = LowerTiers(tiers, kv_shape, block_size=config.block_size, dtype=layout.dtype)
-    return PrefixCache(pool, ram, lower, namespace, snapshots, split)
+    cache = PrefixCache(pool, ram, lower, namespace, snapshots, split)
+    cache.set_max_leased_fraction(config.max_leased_fraction)
+    return cache
 
 
 def resolve_seed(

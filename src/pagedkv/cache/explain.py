@@ -283,7 +283,8 @@ def _cause(
         dep = gone.departure
         cleared = history.cleared_at
         cleared_after = cleared if cleared is not None and cleared >= dep.when else None
-        return MissCause(index, "evicted", dep, lower_names, cleared_after)
+        reason: Reason = "lease_expired" if dep.reason == "lease_expired" else "evicted"
+        return MissCause(index, reason, dep, lower_names, cleared_after)
     if any_live or gone is not None:
         return MissCause(index, "diverged", None, lower_names)
     return MissCause(index, "new", None, lower_names)

@@ -83,14 +83,20 @@ class BlockPool:
     - Block ids are dense in ``[0, num_blocks)``; block 0 is a null block that
       is never handed out. ``num_blocks`` grows on demand up to ``max_blocks``.
     - A non-null block with ref_count 0 is in exactly one free queue: the
-      *empty* queue when it holds no cached data, else the *cached* queue,
-      which is in eviction order (front first). Referenced blocks are in none.
+      *empty* queue when it holds no cached data, else the *leased* queue when
+      a lease covers its hash (``pin``), else the *cached* queue; both cached
+      queues are in eviction order (front first). Referenced blocks are in none.
+    - A hash is leased while ``pin`` was called for it more often than
+      ``unpin``; a leased hash with no cached block stays leased, so the block
+      that caches it later is leased too.
     - ``hash -> Block`` holds every cached block; the children index maps each
       cached block's parent key to it, for token-granular matching.
 
     Ordering: ``allocate`` takes empty blocks first (front of the empty
     queue), then grows the pool, then evicts from the front of the cached
-    queue (least recently freed first). ``free`` appends blocks that reach 0
+    queue (least recently freed first), and only when it is empty from the
+    front of the leased queue: a leased block goes last, whatever its age
+    (O(1): two queues, never a scan for an unleased victim). ``free`` appends blocks that reach 0
     in reverse, so a sequence's tail is evicted before its head. Only
     ``acquire``, ``free`` and ``make_writable`` change the eviction order.
 
@@ -132,6 +138,8 @@ class BlockPool:
         self._blocks: list[Block] = [Block(i) for i in range(initial_blocks)]
         self._empty = FreeBlockQueue(Block(-1))
         self._lru = FreeBlockQueue(Block(-2))
+        self._leased = FreeBlockQueue(Block(-3))
+        self._lease_counts: dict[bytes, int] = {}
         for block in self._blocks[1:]:
             self._empty.append(block)
         self._cached: dict[bytes, Block] = {}
@@ -151,7 +159,13 @@ class BlockPool:
     @property
     def num_available_blocks(self) -> int:
         """How many blocks ``allocate`` could hand out now (free + room to grow); unlocked."""
-        return self._empty.size + self._lru.size + self.max_blocks - len(self._blocks)
+        free = self._empty.size + self._lru.size + self._leased.size
+        return free + self.max_blocks - len(self._blocks)
+
+    @property
+    def num_leased_hashes(self) -> int:
+        """How many distinct block hashes a lease covers now (cached or not); unlocked."""
+        return len(self._lease_counts)
 
     # -- references --------------------------------------------------------------
 
@@ -187,7 +201,7 @@ class BlockPool:
     def _acquire(self, blocks: Sequence[Block]) -> None:
         for block in blocks:
             if block.ref_count == 0:
-                self._lru.remove(block)
+                self._cached_queue(block).remove(block)
                 self._allocated += 1
             elif block.ref_count == 1:
                 self._shared += 1
@@ -198,9 +212,52 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._allocated -= 1
-                (self._empty if block.block_hash is None else self._lru).append(block)
+                (self._empty if block.block_hash is None else self._cached_queue(block)).append(
+                    block
+                )
             elif block.ref_count == 1:
                 self._shared -= 1
+
+    def _cached_queue(self, block: Block) -> FreeBlockQueue:
+        """The queue an unreferenced cached ``block`` is (or goes) in."""
+        return self._leased if block.block_hash in self._lease_counts else self._lru
+
+    # -- leases ------------------------------------------------------------------
+
+    def pin(self, hashes: Sequence[bytes]) -> None:
+        """One more lease on each hash: its block, now or once cached, is evicted after
+        every unleased one. A hash given twice counts twice."""
+        with self._lock:
+            counts = self._lease_counts
+            for h in hashes:
+                n = counts.get(h, 0)
+                if n == 0:
+                    block = self._cached.get(h)
+                    if block is not None and block.ref_count == 0:
+                        self._lru.remove(block)
+                        self._leased.append(block)
+                counts[h] = n + 1
+
+    def unpin(self, hashes: Sequence[bytes]) -> None:
+        """Undo one ``pin`` of each hash; a block whose last lease goes returns to the
+        back of the cached queue (just released), to age from there."""
+        with self._lock:
+            counts = self._lease_counts
+            for h in hashes:
+                n = counts.get(h, 0)
+                if n == 0:
+                    raise ValueError(f"unpin of hash {h.hex()[:12]} that no lease holds")
+                if n > 1:
+                    counts[h] = n - 1
+                    continue
+                del counts[h]
+                block = self._cached.get(h)
+                if block is not None and block.ref_count == 0:
+                    self._leased.remove(block)
+                    self._lru.append(block)
+
+    def is_leased(self, block_hash: bytes) -> bool:
+        return block_hash in self._lease_counts
 
     def _validate(self, blocks: Sequence[Block], held: bool, freeing: bool = False) -> None:
         """Every block is this pool's; when ``held``, referenced (often enough to free)."""
@@ -228,7 +285,7 @@ class BlockPool:
     def _take(self, n: int) -> list[Block]:
         """Unreferenced blocks, empty first, then new, then evicted; all or nothing."""
         room = self.max_blocks - len(self._blocks)
-        available = self._empty.size + room + self._lru.size
+        available = self._empty.size + room + self._lru.size + self._leased.size
         if n > available:
             raise OutOfBlocksError(n, available, self.max_blocks)
         out = [self._empty.popleft() for _ in range(min(n, self._empty.size))]
@@ -239,7 +296,7 @@ class BlockPool:
             self._blocks.extend(new)
             out.extend(new)
         for _ in range(n - len(out)):
-            block = self._lru.popleft()
+            block = (self._lru if self._lru.size else self._leased).popleft()
             if self.on_evict is not None:
                 self.on_evict(block, "capacity")
             self._uncache(block)
@@ -261,13 +318,14 @@ class BlockPool:
     def evict_all(self) -> int:
         """Drop every unreferenced cached block's data (cache clear); returns how many."""
         with self._lock:
-            count = self._lru.size
-            while self._lru.size:
-                block = self._lru.popleft()
-                if self.on_evict is not None:
-                    self.on_evict(block, "clear")
-                self._uncache(block)
-                self._empty.append(block)
+            count = self._lru.size + self._leased.size
+            for queue in (self._lru, self._leased):
+                while queue.size:
+                    block = queue.popleft()
+                    if self.on_evict is not None:
+                        self.on_evict(block, "clear")
+                    self._uncache(block)
+                    self._empty.append(block)
             self._evictions += count
             return count
 
@@ -418,7 +476,7 @@ class BlockPool:
                     self._uncache(holder)
                     self._evictions += 1
                     if holder.ref_count == 0:
-                        self._lru.remove(holder)
+                        self._cached_queue(holder).remove(holder)
                         self._empty.append(holder)
                     holder = None
                 if holder is None:

@@ -23,6 +23,8 @@ class PoolState(Protocol):
     _blocks: list[Block]
     _empty: FreeBlockQueue
     _lru: FreeBlockQueue
+    _leased: FreeBlockQueue
+    _lease_counts: dict[bytes, int]
     _cached: dict[bytes, Block]
     _children: dict[bytes, dict[int, Block]]
     _serial: int
@@ -49,7 +51,7 @@ def check_pool(pool: PoolState) -> None:
     require(null.ref_count == 0 and null.block_hash is None, "null block 0 was used")
     require(null.prev_free is None and null.next_free is None, "null block 0 is queued")
     queued: dict[int, FreeBlockQueue] = {}
-    for queue in (pool._empty, pool._lru):
+    for queue in (pool._empty, pool._lru, pool._leased):
         first = queue.sentinel.next_free
         require(first is not None and first.prev_free is queue.sentinel, "broken queue head")
         seen = 0
@@ -68,7 +70,12 @@ def check_pool(pool: PoolState) -> None:
         require(block.ref_count >= 0, f"block {i} has ref_count {block.ref_count}")
         allocated += block.ref_count > 0
         shared += block.ref_count > 1
-        want = None if block.ref_count else pool._empty if block.block_hash is None else pool._lru
+        if block.ref_count:
+            want = None
+        elif block.block_hash is None:
+            want = pool._empty
+        else:
+            want = pool._leased if block.block_hash in pool._lease_counts else pool._lru
         require(queued.get(i) is want, f"block {i} (ref {block.ref_count}) in the wrong queue")
         if block.block_hash is None:
             require(
@@ -97,4 +104,5 @@ def check_pool(pool: PoolState) -> None:
     require(all(pool._children.values()), "empty children entry")
     require(allocated == pool._allocated, f"allocated {allocated} != counter {pool._allocated}")
     require(shared == pool._shared, f"shared {shared} != counter {pool._shared}")
+    require(all(n > 0 for n in pool._lease_counts.values()), "a lease count <= 0")
     require(pool._hit_tokens <= pool._query_tokens, "more hit tokens than query tokens")

@@ -21,6 +21,7 @@ from pagedkv.cache.block import Block
 from pagedkv.cache.explain import LookupParts, PrefixExplanation, explain_lookup
 from pagedkv.cache.hashing import BlockHasher, ExtraKeys, HashChain, TokenIds
 from pagedkv.cache.history import CacheHistory
+from pagedkv.cache.leases import DEFAULT_MAX_LEASED_FRACTION, LeaseRequest, LeaseTable
 from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
 from pagedkv.cache.prefault import prefault as start_prefault
 from pagedkv.cache.ram import RamBlockStore
@@ -73,10 +74,39 @@ class PrefixCache:
         self.ram_hit_blocks = 0
         self.alloc_failures = 0
         self.history = CacheHistory()
+        self.leases = LeaseTable(pool)
+        self.set_max_leased_fraction(DEFAULT_MAX_LEASED_FRACTION)
         pool.on_evict = self._evicted
+
+    def set_max_leased_fraction(self, fraction: float) -> None:
+        """A new, empty lease table allowed `fraction` of the RAM blocks; the lower tiers
+        are told to keep leased blocks within that fraction of their own capacity."""
+        self.leases = LeaseTable(self.pool, fraction)
+        if self.lower:
+            self.leases.on_grant = self._lease_lower
+            self.leases.on_lapse = self._release_lower
+        for tier in self.lower.tiers:
+            tier.set_max_leased_fraction(fraction)
+
+    def _lease_lower(self, hashes: Sequence[bytes], ttl_s: float) -> None:
+        for tier in self.lower.tiers:
+            try:
+                tier.lease(hashes, ttl_s)
+            except Exception:  # a tier's fault costs the lease there, never the request
+                log.warning("tier %s refused a lease", tier.name, exc_info=True)
+
+    def _release_lower(self, hashes: Sequence[bytes], _ttl_s: float) -> None:
+        for tier in self.lower.tiers:
+            try:
+                tier.release_lease(hashes)
+            except Exception:
+                log.warning("tier %s failed to release a lease", tier.name, exc_info=True)
 
     def _evicted(self, block: Block, reason: str) -> None:
         if block.parent_key is not None and block.token_ids is not None:
+            h = block.block_hash
+            if reason == "capacity" and h is not None and self.leases.lapsed_at(h) is not None:
+                reason = "lease_expired"
             self.history.record(block.parent_key, block.token_ids, "ram", reason)
 
     def explain(
@@ -316,6 +346,7 @@ class RequestCache:
                     self._tail = None
                 self._found_parts = parts[: len(found)]
             ram_tokens = min(ram_tokens, n)
+            cache.leases.renew_hits(chain.hashes[:num_full])
             ids = [b.block_id for b in full] + ([partial.block_id] if partial else [])
             pieces = [f.block.kv for f in found] + ([self._tail.block.kv] if self._tail else [])
             done = next((i for i in range(len(found)) if i not in placed), len(found))
@@ -338,6 +369,17 @@ class RequestCache:
         if self._tail is not None:
             self._count(self._tail.tier, max(0, n - num_full * bs))
         return n
+
+    def lease(self, tenant: str | None, request: LeaseRequest) -> int:
+        """Lease the full blocks of the prompt's first `request.num_tokens` tokens (or
+        renew the tenant's lease on them); returns the tokens the lease covers (0: none,
+        e.g. a breakpoint before the first block boundary)."""
+        bs = self._cache.block_size
+        num_blocks = min(request.num_tokens, self.num_prompt_tokens) // bs
+        granted = self._cache.leases.grant(
+            tenant, self.chain.hashes[:num_blocks], num_blocks * bs, request
+        )
+        return 0 if granted is None else granted.num_tokens
 
     def _count(self, tier: str, num_tokens: int) -> None:
         if num_tokens:

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedkv.cache.builder import build_prefix_cache
 from pagedkv.cache.hashing import ExtraKeys
+from pagedkv.cache.leases import LeaseRequest
 from pagedkv.cache.prefix import PrefixCache
 from pagedkv.cache.ram import KVLayout
 from pagedkv.config import CacheConfig, default_kv_budget_bytes
@@ -314,17 +315,23 @@ class Engine:
         cache_salt: str | None = None,
         owner: str | None = None,
         lora: str | None = None,
+        leases: Sequence[LeaseRequest] = (),
     ) -> RequestStream:
         """Events as tokens are generated. `cancel()` or `close()` ends the request.
         `owner` names who sent it (the server passes the API key's tenant): when the
         head of the waiting queue cannot start, other owners' requests may start
         before it, in turn (see `Scheduler`); requests of one owner keep their order.
-        `lora` names a loaded LoRA adapter to generate with (None: the base model)."""
+        `lora` names a loaded LoRA adapter to generate with (None: the base model).
+
+        `leases`: prefixes of the prompt to lease once it is cached (`cache.leases`),
+        owned by `owner`; ignored when prefix caching is off."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
             ids = _check_ids(prompt, self.vocab_size)
-        req = self._submit(ids, params or SamplingParams(), cache_salt, owner, lora)
+        req = self._submit(
+            ids, params or SamplingParams(), cache_salt, owner, lora, leases=tuple(leases)
+        )
         return RequestStream(req)
 
     def prewarm(
@@ -528,6 +535,21 @@ class Engine:
         )
         return describe(exp, ids, self.decode)
 
+    def list_leases(
+        self, owner: str | None = None, *, all_owners: bool = True
+    ) -> list[dict[str, Any]]:
+        """The live leases (`cache.leases`), least recently renewed first, as JSON; of
+        `owner` only unless `all_owners`. Any thread."""
+        if self.prefix is None:
+            return []
+        table = self.prefix.leases
+        now = table.clock()
+        return [lease.to_json(now) for lease in table.list(owner, all_tenants=all_owners)]
+
+    def drop_lease(self, lease_id: str) -> bool:
+        """Lapse the lease `lease_id` now; False when there is none. Any thread."""
+        return self.prefix is not None and self.prefix.leases.drop(lease_id)
+
     def clear_cache(self) -> None:
         """Forget this model's unreferenced cached blocks in every tier (other models'
         blocks in a shared SSD directory or Redis stay).
@@ -571,6 +593,7 @@ class Engine:
         *,
         prefill_only: bool = False,
         background: bool = False,
+        leases: tuple[LeaseRequest, ...] = (),
     ) -> Request:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -601,7 +624,7 @@ class Engine:
             raise
         extra = _extra_keys(salt, lora)
         req = Request(ids, params, extra, owner=owner, grammar=grammar, lora=lora,
-                      prefill_only=prefill_only, background=background)  # fmt: skip
+                      prefill_only=prefill_only, background=background, leases=leases)  # fmt: skip
         self._queue.put(req)
         return req
 

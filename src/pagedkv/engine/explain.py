@@ -59,7 +59,11 @@ def _evicted(m: MissCause, before: str) -> str:
             f"layers' part of the block at token {i} (after {before!r}) is no longer in "
             f"{', '.join(m.lower_tiers) or 'any tier'}: the restore stops before it"
         )
-    why = "evicted to make room" if dep.reason == "capacity" else "dropped by a cache clear"
+    why = {
+        "capacity": "evicted to make room",
+        "lease_expired": "evicted to make room after their lease lapsed (expired, dropped, "
+        "or displaced by newer leases past --max-leased-fraction)",
+    }.get(dep.reason, "dropped by a cache clear")
     text = f"tokens from {i} on (after {before!r}) were cached; they left {dep.tier} at "
     text += f"{_when(dep.when)} ({why})"
     if m.lower_tiers:

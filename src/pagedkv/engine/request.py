@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pagedkv.cache.hashing import ExtraKeys
+from pagedkv.cache.leases import LeaseRequest
 from pagedkv.engine.grammar import CompiledGrammar
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.model.lora import LoraWeights
@@ -39,6 +40,8 @@ class GenerationResult:
     # A prefill-only request (`Engine.prewarm`): prompt tokens whose KV the cache holds
     # once it ended (its blocks that RAM took); 0 for a generating request.
     stored_tokens: int = 0
+    # Prompt tokens a lease the request asked for covers now (`Request.leases`).
+    leased_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -83,6 +86,8 @@ class Request:
     prefill_only: bool = False
     background: bool = False
     lora: LoraWeights | None = None  # the LoRA adapter it runs with, held to its end
+    leases: tuple[LeaseRequest, ...] = ()  # granted once the prompt is cached
+    leased_tokens: int = 0  # what the grants covered (the longest)
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

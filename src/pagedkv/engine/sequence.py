@@ -93,4 +93,5 @@ class Sequence:
             tier_hits=dict(self.tier_hits),
             index=self.index,
             stored_tokens=self.stored_tokens,
+            leased_tokens=req.leased_tokens,
         )

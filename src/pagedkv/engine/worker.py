@@ -405,6 +405,10 @@ class Worker:
                 try:  # after the first token, not before: nothing here is needed for it
                     seq.handle.cache_prompt(self._kv_source(seq), seq.snapshots)
                     seq.snapshots = {}
+                    req = seq.request
+                    for lease in req.leases:
+                        got = seq.handle.lease(req.owner, lease)
+                        req.leased_tokens = max(req.leased_tokens, got)
                 except Exception:
                     log.warning("caching a prompt failed", exc_info=True)
                     self.cache_errors += 1

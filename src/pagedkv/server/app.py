@@ -32,6 +32,7 @@ from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedkv.cache.leases import LeaseRequest
 from pagedkv.engine.request import StreamEvent
 from pagedkv.errors import PromptTooLongError
 from pagedkv.server.adapters import ModelNames, add_adapter_routes
@@ -51,6 +52,7 @@ from pagedkv.server.http_errors import (
     hidden_error,
     shutting_down,
 )
+from pagedkv.server.leases import add_lease_routes, openai_leases
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
 from pagedkv.server.middleware import (
@@ -211,6 +213,7 @@ def create_app(
         arrived: float,
         held: ShareHeld,
         tools: ToolMode | None = None,
+        leases: Sequence[LeaseRequest] = (),
     ) -> Generation:
         """Submit the request; returns once its first event (or its refusal) arrived.
         `held` is the key's share the request took (`admit`); the generation gives it
@@ -240,7 +243,13 @@ def create_app(
             decode=functools.partial(engine.decode, skip_special_tokens=False),
         )
 
+        leases = [*leases, *openai_leases(body, len(ids), tenant)]
+
         def open_stream() -> Iterator[StreamEvent]:
+            if leases:  # only then: an engine double need not know the argument
+                return engine.stream(
+                    ids, params, cache_salt=salt, owner=tenant.salt, lora=lora, leases=leases
+                )
             return engine.stream(ids, params, cache_salt=salt, owner=tenant.salt, lora=lora)
 
         def on_close(gen: Generation) -> None:
@@ -434,6 +443,7 @@ def create_app(
         await to_thread.run_sync(engine.clear_cache)
         return JSONResponse({"cleared": True})
 
+    add_lease_routes(app, engine, check_open)
     stats = engine.cache_stats()
     add_messages_routes(
         app,
@@ -447,6 +457,7 @@ def create_app(
             decode=engine.decode,
             block_size=stats.cache.block_size if stats.cache is not None else None,
             explain=explainer.explain,
+            render=engine.apply_chat_template,
         ),
     )
     blocking = functools.partial(_blocking, pool=state.render)

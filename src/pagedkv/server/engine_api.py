@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+from pagedkv.cache.leases import LeaseRequest
 from pagedkv.engine.explain import CacheExplanation
 from pagedkv.engine.reasoning import NextTurn
 from pagedkv.engine.request import GenerationResult, StreamEvent
@@ -59,6 +60,7 @@ class EngineAPI(Protocol):
         cache_salt: str | None = None,
         owner: str | None = None,
         lora: str | None = None,
+        leases: Sequence[LeaseRequest] = (),
     ) -> Iterator[StreamEvent]: ...
 
     def prewarm(
@@ -88,6 +90,12 @@ class EngineAPI(Protocol):
     def load_adapter(self, name: str, directory: str) -> dict[str, Any]: ...
 
     def unload_adapter(self, name: str) -> None: ...
+
+    def list_leases(
+        self, owner: str | None = None, *, all_owners: bool = True
+    ) -> list[dict[str, Any]]: ...
+
+    def drop_lease(self, lease_id: str) -> bool: ...
 
     def num_active_requests(self) -> int: ...
 

@@ -108,6 +108,16 @@ class _SamplingRequest(_Request):
         max_length=256,
         description="extension; isolates this request's cached prefixes further",
     )
+    prompt_cache_key: Text | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="groups a client's requests; names the lease in GET /v1/cache/leases",
+    )
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None,
+        description="lease the whole prompt: in_memory (5 min, RAM only) or 24h (every tier)",
+    )
 
 
 class CompletionRequest(_SamplingRequest):

@@ -189,7 +189,20 @@ def message_end(
     """Where message `message_index` of a chat request ends in its prompt (the render of
     the messages up to it, compared with the prompt); blocking: run it on a thread."""
     messages, tools = chat_messages(body), template_tools(body)
-    k = message_index + 1
-    if k >= len(messages):
-        return len(prompt)
-    return _boundary(engine.apply_chat_template, messages, tools, prompt, k)
+    return end_of_messages(engine.apply_chat_template, messages, tools, prompt, message_index + 1)
+
+
+def end_of_messages(
+    render: Render, messages: Sequence[dict[str, Any]], tools: Any, prompt: Sequence[int], k: int
+) -> int | None:
+    """Where message k-1 ends in `prompt` (the template's render of all `messages`):
+    the end of the prompt for the last message; None when unknown."""
+    return len(prompt) if k >= len(messages) else _boundary(render, messages, tools, prompt, k)
+
+
+def tools_end(
+    render: Render, messages: Sequence[dict[str, Any]], prompt: Sequence[int]
+) -> int | None:
+    """Where the tool definitions end in `prompt`; None when unknown."""
+    span = _tools_span(render, messages, prompt)
+    return None if span is None else span[1]

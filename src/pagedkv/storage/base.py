@@ -147,6 +147,19 @@ class KVTier(ABC):
     @abstractmethod
     def stats(self) -> TierStats: ...
 
+    # -- leases (see `pagedkv.cache.leases`); a tier that cannot keep them ignores them
+
+    def set_max_leased_fraction(self, fraction: float) -> None:  # noqa: B027
+        """Leased blocks may keep at most `fraction` of the tier from eviction."""
+
+    def lease(self, hashes: Sequence[bytes], ttl_s: float) -> None:  # noqa: B027
+        """One more lease on the blocks `hashes` (present now or written later), for
+        `ttl_s` seconds or until `release_lease`, renewals included: evict them after
+        the unleased ones. Not called again on renewals."""
+
+    def release_lease(self, hashes: Sequence[bytes]) -> None:  # noqa: B027
+        """One lease on `hashes` lapsed (each `lease` call is released once)."""
+
     def check_seed(self, seed: bytes) -> bool:
         """True (with one warning) when the tier keeps another seed than `seed`, the
         one in use: its blocks cannot be found under this seed."""

@@ -25,7 +25,7 @@ class ContentBlock(_Request):
     content: Text | list[ContentBlock] | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = Field(
-        None, description="accepted and ignored: every prefix is cached anyway"
+        None, description="a breakpoint: leases the prompt up to here for its ttl (5m, 1h)"
     )
 
 

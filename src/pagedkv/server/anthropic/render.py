@@ -2,10 +2,10 @@
 
 Usage follows Anthropic's split, which sums to the prompt:
 `cache_read_input_tokens` are the prompt tokens restored from the cache (any
-tier), `cache_creation_input_tokens` the tokens of the prompt's full blocks
-this request computed (the engine caches them after the first token; a full
-pool may skip some), `input_tokens` the rest (the partial last block, and every
-token when caching is off).
+tier), `cache_creation_input_tokens` the tokens up to the request's last
+`cache_control` breakpoint that it computed and leased (whole blocks; 0 without a
+breakpoint, as on Anthropic, although every prefix is cached anyway),
+`input_tokens` the rest.
 """
 
 from __future__ import annotations
@@ -35,13 +35,12 @@ class ReplyOptions:
     decode: Callable[[Sequence[int]], str]
     block_size: int | None  # None: prefix caching is off
     prompt_tokens: int  # before the split is known (message_start)
+    breakpoints: bool = False  # the request has cache_control breakpoints
 
 
-def usage(result: GenerationResult, block_size: int | None) -> dict[str, int]:
+def usage(result: GenerationResult, breakpoints: bool) -> dict[str, int]:
     prompt, read = result.prompt_tokens, result.cached_tokens
-    created = 0
-    if block_size:
-        created = max(0, prompt // block_size * block_size - read)
+    created = max(0, result.leased_tokens - read) if breakpoints else 0
     return {
         "input_tokens": prompt - read - created,
         "cache_read_input_tokens": read,
@@ -102,7 +101,7 @@ class AnthropicReply:
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,
-            "usage": usage(result, o.block_size),
+            "usage": usage(result, o.breakpoints),
         }
 
     async def sse(self) -> AsyncIterator[bytes]:
@@ -167,7 +166,7 @@ class AnthropicReply:
                 "message_delta",
                 {
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": usage(result, o.block_size),
+                    "usage": usage(result, o.breakpoints),
                 },
             )
             yield _event("message_stop", {})

@@ -9,14 +9,17 @@ validate, render and cache a conversation the same way. Errors under
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedkv.server.anthropic.breakpoints import breakpoints, lease_requests
 from pagedkv.server.anthropic.convert import chat_origins, to_chat_request
 from pagedkv.server.anthropic.explain import (
     MessagesExplainRequest,
@@ -36,9 +39,11 @@ from pagedkv.server.explain import SectionMap
 from pagedkv.server.generation import Generation
 from pagedkv.server.http_errors import bad_request
 from pagedkv.server.limits import ShareHeld
+from pagedkv.server.prepare import chat_messages
 from pagedkv.server.protocol import ChatCompletionRequest
-from pagedkv.server.sections import PromptSection
+from pagedkv.server.sections import PromptSection, Render
 from pagedkv.server.tools.output import ToolMode
+from pagedkv.server.tools.request import template_tools
 from pagedkv.server.unknown_fields import refuse_unknown_fields
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -70,6 +75,7 @@ class MessagesContext:
     decode: Callable[[Sequence[int]], str]
     block_size: int | None
     explain: Explain  # `explain.Explainer.explain`: the answer of /v1/cache/explain
+    render: Render  # the chat template (messages, tools) -> ids, for breakpoints' ends
 
 
 def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
@@ -79,11 +85,21 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
         ctx.check_open(body.model)
         refuse_unknown_fields(body, "/v1/messages", "an Anthropic Messages body")
         _check_thinking(body.thinking)
+        points = breakpoints(body)
         held = ctx.admit(tenant, 1)
         with held.released_on_error():
             chat = to_chat_request(body)
             ids, mode = await ctx.chat_prompt(chat, tenant, True)
-            gen = await ctx.start_generation(request, chat, ids, tenant, arrived, held, mode)
+            leases = []
+            if points and ctx.block_size:
+                find = functools.partial(
+                    lease_requests, points, ctx.render, chat_messages(chat),
+                    template_tools(chat), chat_origins(body), ids, tenant.label,
+                )  # fmt: skip
+                leases = await to_thread.run_sync(find)
+            gen = await ctx.start_generation(
+                request, chat, ids, tenant, arrived, held, mode, leases=leases
+            )
         options = ReplyOptions(
             model=ctx.model_name,
             tools=mode,
@@ -91,6 +107,7 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
             decode=ctx.decode,
             block_size=ctx.block_size,
             prompt_tokens=len(ids),
+            breakpoints=bool(points),
         )
         reply = AnthropicReply(gen, options)
         if not body.stream:

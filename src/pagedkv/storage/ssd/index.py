@@ -37,7 +37,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,11 +78,27 @@ def _tagged(version: str, rows: sqlite3.Cursor) -> Iterator[tuple[float, str, by
 
 
 def _pick_lru(
-    candidates: Iterator[tuple[float, str, bytes, int]], excess: int
+    candidates: Iterator[tuple[float, str, bytes, int]],
+    excess: int,
+    leased: Collection[bytes] = (),
+    max_leased_bytes: int = 0,
 ) -> list[tuple[str, bytes]]:
-    """`(version, hash)` of the oldest candidates whose bytes cover `excess`."""
+    """`(version, hash)` of the oldest candidates whose bytes cover `excess`. Blocks in
+    `leased` are passed over, up to `max_leased_bytes` of them, and taken last (oldest
+    first) only if the others do not cover `excess`: a lease keeps at most that much."""
     victims: list[tuple[str, bytes]] = []
+    kept: list[tuple[str, bytes, int]] = []
+    kept_bytes = 0
     for _, version, block_hash, num_bytes in candidates:
+        if excess <= 0:
+            break
+        if block_hash in leased and kept_bytes + num_bytes <= max_leased_bytes:
+            kept.append((version, block_hash, num_bytes))
+            kept_bytes += num_bytes
+            continue
+        victims.append((version, block_hash))
+        excess -= num_bytes
+    for version, block_hash, num_bytes in kept:
         if excess <= 0:
             break
         victims.append((version, block_hash))
@@ -372,15 +388,18 @@ class SSDIndex:
         namespace: str | None = None,
         quota_bytes: int | None = None,
         incoming_ns_bytes: int = 0,
+        leased: Collection[bytes] = (),
+        max_leased_bytes: int = 0,
     ) -> list[tuple[str, bytes]]:
         """Delete least recently used rows until `incoming_bytes` more fit.
 
         First within `namespace` down to `quota_bytes - incoming_ns_bytes`, then
         across the whole directory, other format versions' rows included (they
         share its capacity, see `ssd_versions`), down to `capacity_bytes -
-        incoming_bytes`. Returns `(format version, hash)` of each evicted row; the
-        caller unlinks their files before this commit (row and file go together,
-        under the write lock, so no reader trusts a half-deleted block).
+        incoming_bytes`. Leased blocks go last (`_pick_lru`). Returns `(format
+        version, hash)` of each evicted row; the caller unlinks their files before
+        this commit (row and file go together, under the write lock, so no reader
+        trusts a half-deleted block).
         """
         evicted: list[tuple[str, bytes]] = []
         mine = self._t
@@ -395,7 +414,7 @@ class SSDIndex:
                     "WHERE namespace = ? ORDER BY last_access"
                 )
                 cursor = conn.execute(query, (namespace,))
-                victims = _pick_lru(_tagged(mine.version, cursor), excess)
+                victims = _pick_lru(_tagged(mine.version, cursor), excess, leased, max_leased_bytes)
                 cursor.close()  # before the deletes below change the rows it walks
                 _delete_rows(conn, victims)
                 evicted += victims
@@ -416,7 +435,7 @@ class SSDIndex:
                 ]
                 tagged = [_tagged(t.version, c) for t, c in zip(versions, cursors, strict=True)]
                 merged = heapq.merge(*tagged)
-                victims = _pick_lru(merged, excess)
+                victims = _pick_lru(merged, excess, leased, max_leased_bytes)
                 for cursor in cursors:
                     cursor.close()
                 _delete_rows(conn, victims)

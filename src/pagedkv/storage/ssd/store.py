@@ -385,6 +385,18 @@ class SSDStore(KVTier):
                 )
         self._writer.submit(blocks)
 
+    def set_max_leased_fraction(self, fraction: float) -> None:
+        self._writer.leased.max_fraction = fraction
+
+    def lease(self, hashes: Sequence[bytes], ttl_s: float) -> None:
+        """Evicted last (`SSDIndex.evict`), within the fraction of `capacity_bytes`;
+        held in this process's memory only: another process sharing the directory, or
+        this one after a restart, evicts them in LRU order."""
+        self._writer.leased.add(hashes)
+
+    def release_lease(self, hashes: Sequence[bytes]) -> None:
+        self._writer.leased.release(hashes)
+
     def remove(self, hashes: Sequence[bytes]) -> None:
         self._check_pid()
         self._writer.cancel(hashes)

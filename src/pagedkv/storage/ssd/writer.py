@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from pagedkv.storage.base import BlockMeta, KVBlock, TierStats, block_checksum
+from pagedkv.storage.leased import LeasedHashes
 from pagedkv.storage.secret import CacheSecret
 from pagedkv.storage.ssd.format import encode_file, file_size
 from pagedkv.storage.ssd.index import SSDIndex
@@ -114,6 +115,7 @@ class BlockWriter:
         self.index = index
         self.counters = counters
         self.capacity_bytes = capacity_bytes
+        self.leased = LeasedHashes()  # the store's leases, evicted last
         self.namespace = namespace
         self.quota_bytes = quota_bytes
         self.budget_bytes = budget_bytes
@@ -355,6 +357,8 @@ class BlockWriter:
                 self.namespace,
                 self.quota_bytes,
                 incoming_bytes,
+                self.leased.snapshot(),
+                int(self.leased.max_fraction * self.capacity_bytes),
             )
             for version, h in victims:  # other format versions' blocks too
                 unlink_quiet(block_path(self.directory, h, version))
