@@ -280,6 +280,14 @@ class FakeEngine:
                 cache=CacheStats("fake-namespace", self.block_size, 4, pool, tiers),
             )
 
+    def list_leases(
+        self, owner: str | None = None, *, all_owners: bool = True
+    ) -> list[dict[str, Any]]:
+        return []  # this double never leases
+
+    def drop_lease(self, lease_id: str) -> bool:
+        return False
+
     def clear_cache(self) -> None:
         with self.lock:
             self.cache.clear()

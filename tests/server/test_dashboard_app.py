@@ -89,7 +89,7 @@ def test_state_after_traffic() -> None:
     assert sum(b["computed_tokens"] for b in buckets) == prompt - cached
     keys = {k["key"]: k for k in s["tenants"]["keys"]}
     assert keys["key1"]["requests"] == 2 and keys["key2"]["requests"] == 1
-    assert s["tenants"]["leases"] is None  # this server keeps no leases
+    assert s["tenants"]["leases"] == []  # caching on, nothing leased
     # A request that computed more than its last prompt token missed where its cached
     # prefix ended; nothing said why (explain was not asked).
     missed = [

@@ -445,6 +445,8 @@ def create_app(
 
     add_lease_routes(app, engine, check_open)
     stats = engine.cache_stats()
+    if stats.cache is not None:  # caching on: the dashboard lists the leases
+        state.dashboard.sources.leases = functools.partial(engine.list_leases, all_owners=True)
     add_messages_routes(
         app,
         MessagesContext(

@@ -23,7 +23,7 @@ from pagedkv.server.auth import Tenant
 from pagedkv.server.authn import TenantDep
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.http_errors import APIError
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.protocol import ERRORS, ChatCompletionRequest, CompletionRequest
 
 IN_MEMORY_TTL_S = TTL_SECONDS["5m"]
 RETENTION = {"in_memory": (IN_MEMORY_TTL_S, True), "24h": (TTL_SECONDS["24h"], False)}
@@ -43,7 +43,7 @@ def openai_leases(
 def add_lease_routes(
     app: FastAPI, engine: EngineAPI, check_open: Callable[[str | None], None]
 ) -> None:
-    @app.get("/v1/cache/leases")
+    @app.get("/v1/cache/leases", responses=ERRORS)
     async def list_leases(tenant: TenantDep) -> Response:
         """The live leases: all of them for an admin key, the key's own for any other."""
         leases = await to_thread.run_sync(
@@ -52,7 +52,7 @@ def add_lease_routes(
         scope = "server" if tenant.is_admin else "key"
         return JSONResponse({"object": "list", "scope": scope, "data": leases})
 
-    @app.delete("/v1/cache/leases/{lease_id}")
+    @app.delete("/v1/cache/leases/{lease_id}", responses=ERRORS)
     async def drop_lease(lease_id: str, tenant: TenantDep) -> Response:
         if not tenant.is_admin:
             raise APIError(403, "dropping a lease needs an admin key", code="admin_key_required")
