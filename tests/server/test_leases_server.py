@@ -142,7 +142,8 @@ def test_prompt_cache_retention_leases_the_chat_prompt_and_reports_cached_tokens
         assert lease["num_tokens"] > 0
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < lease["num_tokens"]
         second = ok(server, A, "POST", "/v1/chat/completions", sent)
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= lease["num_tokens"]
+        reusable = min(lease["num_tokens"], second["usage"]["prompt_tokens"] - 1)  # last: computed
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= reusable
         ok(server, ADMIN, "DELETE", f"/v1/cache/leases/{lease['id']}")
     r = call(
         server, A, "POST", "/v1/chat/completions", {**body("x"), "prompt_cache_retention": "1y"}

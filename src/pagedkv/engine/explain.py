@@ -129,7 +129,7 @@ def _detail(m: MissCause, tokens: Sequence[int], decode: Callable[[Sequence[int]
             "share blocks (each key hashes under its own salt), so this key computes it "
             "once for itself"
         )
-    if m.reason == "evicted":
+    if m.reason in ("evicted", "lease_expired"):
         return _evicted(m, before)
     return f"token {i} (after {before!r}) is recomputed: {m.reason}"
 

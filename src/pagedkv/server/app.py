@@ -246,11 +246,13 @@ def create_app(
         leases = [*leases, *openai_leases(body, len(ids), tenant)]
 
         def open_stream() -> Iterator[StreamEvent]:
-            if leases:  # only then: an engine double need not know the argument
-                return engine.stream(
-                    ids, params, cache_salt=salt, owner=tenant.salt, lora=lora, leases=leases
-                )
-            return engine.stream(ids, params, cache_salt=salt, owner=tenant.salt, lora=lora)
+            # Only when asked for: an engine double need not know these arguments.
+            more: dict[str, Any] = {}
+            if lora is not None:
+                more["lora"] = lora
+            if leases:
+                more["leases"] = leases
+            return engine.stream(ids, params, cache_salt=salt, owner=tenant.salt, **more)
 
         def on_close(gen: Generation) -> None:
             state.generations.discard(gen)
