@@ -3,7 +3,7 @@ two normal keys are answered, /health stays 200, nothing leaks, nothing 500s, no
 stays held.
 
 The benchmark's latency check (normal p50 within 3x quiet) is not asserted here: it
-is issue 29's unmet target (docs/benchmarks.md, "The hostile soak"), and on two cores
+is issue 29's unmet target (docs/benchmarks.md, "Hostile soak"), and on two cores
 shared with the clients the ratio varies by host from 2.3x to 14x on the same code
 (the server's Python threads wait on one another's GIL while bodies are parsed). The
 test prints it; a key starved of the engine would fail "normal keys all 200"."""
