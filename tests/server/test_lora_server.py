@@ -90,6 +90,15 @@ def test_requests_select_an_adapter_by_name_or_base_colon_name(
     )
 
 
+def test_prewarm_refuses_an_adapter_it_would_compute_with_the_base(client: TestClient) -> None:
+    body = {"messages": [{"role": "user", "content": "hello there"}]}
+    r = client.post("/v1/cache/prewarm", json={**body, "model": "a1"}, headers=auth(USER_KEY))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "model" and "'a1'" in r.json()["error"]["message"]
+    r = client.post("/v1/cache/prewarm", json={**body, "model": BASE}, headers=auth(USER_KEY))
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_models_and_adapters_are_404_listing_what_is_served(client: TestClient) -> None:
     for model in ("a9", f"{BASE}:a9", "other-base:a1"):
         r = complete(client, model, [5, 6, 7])

@@ -261,7 +261,10 @@ def create_app(
             state.ledger.finished(tenant, results, complete=gen.done)
             if gen.done and results:
                 state.dashboard.finished(REQUEST_ID.get(), tenant.label, results)
-            if isinstance(body, ChatCompletionRequest) and gen.done and len(results) == 1:
+            # The next turn's form is stored with the base model's weights: an adapter's
+            # turn is left to its next request (its KV would be keyed to the base).
+            turn = gen.done and len(results) == 1 and lora is None
+            if isinstance(body, ChatCompletionRequest) and turn:
                 message = history_message(results[0], tools)
                 after_turn.finished(body, ids, results[0], message, salt, tenant.salt)
 
@@ -426,7 +429,17 @@ def create_app(
         adapter_of=models.adapter_of,
     )
     after_turn = AfterTurn(engine, state.render)
-    add_prewarm_route(app, PrewarmContext(engine, state.model_name, check_open, chat_prompt, admit))
+
+    def check_base(model: str | None) -> None:
+        check_open(model)
+        if models.adapter_of(model) is not None:
+            raise bad_request(
+                f"prewarm computes the base model's KV; {model!r} is a LoRA adapter, whose "
+                "prefix its first request stores",
+                "model",
+            )
+
+    add_prewarm_route(app, PrewarmContext(engine, state.model_name, check_base, chat_prompt, admit))
     add_adapter_routes(app, engine, models, check_admin)
 
     @app.post("/v1/cache/explain", responses=ERRORS)
