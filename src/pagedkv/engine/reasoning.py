@@ -30,6 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 REASONING_MODES = ("auto", "on", "off")
@@ -101,12 +103,11 @@ def next_turn_ids(render: Render, messages: Sequence[dict[str, Any]], follow: st
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            return n
-        n += 1
-    return n
+    """How many leading ids `a` and `b` share (one vectorized compare, not a loop: it
+    runs over whole conversations after every turn)."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
+    return int(diff[0]) if len(diff) else n
 
 
 @dataclass(frozen=True, slots=True)

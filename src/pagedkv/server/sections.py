@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from pagedkv.engine.reasoning import common_prefix
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.prepare import chat_messages
 from pagedkv.server.protocol import ChatCompletionRequest
@@ -61,12 +62,6 @@ class PromptSection:
         return {"kind": self.kind, "message_index": self.message_index, "role": self.role}
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n], np.int64) != np.asarray(b[:n], np.int64))
-    return int(diff[0]) if len(diff) else n
-
-
 def _render(render: Render, messages: Sequence[dict[str, Any]], tools: Any) -> list[int] | None:
     # The template is the model's code, and refusing a prefix the request never
     # sends is not the client's error: any exception means "unknown here".
@@ -84,7 +79,7 @@ def _boundary(
     ids = _render(render, messages[:k], tools)
     if ids is None:
         ids = _render(render, [*messages[:k], {"role": "user", "content": ""}], tools)
-    return None if ids is None else _common_prefix(ids, prompt)
+    return None if ids is None else common_prefix(ids, prompt)
 
 
 def _tools_span(
@@ -95,8 +90,8 @@ def _tools_span(
     bare = _render(render, messages, None)
     if bare is None:
         return None
-    start = _common_prefix(bare, prompt)
-    tail = _common_prefix(bare[start:][::-1], list(prompt[start:])[::-1])
+    start = common_prefix(bare, prompt)
+    tail = common_prefix(bare[start:][::-1], list(prompt[start:])[::-1])
     return start, len(prompt) - tail
 
 
