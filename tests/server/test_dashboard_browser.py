@@ -100,6 +100,16 @@ def updates(browser: Any) -> int:
     return int(browser.execute_script("return Number(document.body.dataset.updates || 0)"))
 
 
+def table_cells(browser: Any, table: str) -> list[list[str]]:
+    """A table body's cell texts, read in one script: the page redraws its tables every 2 s,
+    so elements found one call earlier may be gone by the next."""
+    return browser.execute_script(  # type: ignore[no-any-return]
+        "return [...document.querySelectorAll(arguments[0] + ' tbody tr')]"
+        ".map(r => [...r.querySelectorAll('td')].map(d => d.textContent))",
+        table,
+    )
+
+
 def admin(server: ServerProc) -> httpx.Client:
     return server.http(ADMIN)
 
@@ -192,20 +202,21 @@ def test_loads_with_the_key_every_panel_renders_and_numbers_match(
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     for tab in TABS:
         browser.find_element(By.CSS_SELECTOR, f'#tabs button[data-tab="{tab}"]').click()
-        panel = browser.find_element(By.ID, f"panel-{tab}")
-        assert panel.is_displayed(), tab
-        for svg in panel.find_elements(By.TAG_NAME, "svg"):
-            assert svg.find_elements(By.TAG_NAME, "text"), f"an empty chart on {tab}"
+        assert browser.find_element(By.ID, f"panel-{tab}").is_displayed(), tab
+        empty = browser.execute_script(  # one read: the page redraws every 2 s
+            "return [...document.querySelectorAll(arguments[0])]"
+            ".filter(s => !s.querySelector('text')).length",
+            f"#panel-{tab} svg",
+        )
+        assert empty == 0, f"an empty chart on {tab}"
         browser.save_screenshot(str(ARTIFACTS / f"{tab}.png"))
     # Plots with data, not just axes.
     browser.find_element(By.CSS_SELECTOR, '#tabs button[data-tab="traffic"]').click()
     assert browser.find_elements(By.CSS_SELECTOR, "#chart-rps path.line")
     assert browser.find_elements(By.CSS_SELECTOR, "#chart-prompt rect")
-    rows = browser.find_elements(By.CSS_SELECTOR, "#tenant-table tbody tr")
-    names = sorted(r.find_element(By.TAG_NAME, "td").get_attribute("textContent") for r in rows)
+    names = sorted(row[0] for row in table_cells(browser, "#tenant-table"))
     assert names == ["key1", "key2"]
-    misses = browser.find_elements(By.CSS_SELECTOR, "#miss-table tbody tr")
-    reasons = [r.find_elements(By.TAG_NAME, "td")[5].get_attribute("textContent") for r in misses]
+    reasons = [row[5] for row in table_cells(browser, "#miss-table")]
     assert reasons[0] in REASONS and "unexplained" in reasons  # the admin's explain, requests
     assert "Tell me" not in browser.page_source  # no prompt text on the page
     assert "No lease is held." in browser.page_source  # caching is on; nothing leased
