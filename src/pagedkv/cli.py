@@ -15,11 +15,13 @@ from typing import Any
 from pagedkv.cli_cache import add_cache_commands
 from pagedkv.flags import (
     add_cache_flags,
+    add_image_flags,
     add_lora_flags,
     add_model_flags,
     add_scheduler_flags,
     cache_config_from_args,
     env,
+    image_limits_from_args,
     lora_flags,
     scheduler_config_from_args,
 )
@@ -126,6 +128,7 @@ def _serve_on(args: argparse.Namespace, sock: Any) -> int:
         admin_keys=admins,
         max_body_bytes=args.max_body_bytes,
         limits=RequestLimits(args.max_messages, args.max_content_chars),
+        images=image_limits_from_args(args),
         max_requests_per_key=per_key or None,
         max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client,
@@ -408,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_scheduler_flags(serve)
     _add_key_flags(serve)
     _add_server_limit_flags(serve)
+    add_image_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")

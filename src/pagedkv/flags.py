@@ -247,3 +247,63 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         reasoning_cache=getattr(args, "reasoning_cache", "auto"),
         max_leased_fraction=getattr(args, "max_leased_fraction", 0.5),
     )
+
+
+def add_image_flags(p: argparse.ArgumentParser) -> None:
+    """Images in chat requests (`server/images/`). The defaults are `ImageLimits()`'s,
+    written out so that building the parser imports no server code (a test checks
+    they agree)."""
+    g = p.add_argument_group("images")
+    g.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=int(env("--max-image-bytes", 20 * 1024 * 1024)),
+        help="largest image file, inline (decoded base64) or fetched, in bytes; inline "
+        "images also count toward --max-body-bytes (default 20971520: 20 MiB)",
+    )
+    g.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=int(env("--max-image-pixels", 4096 * 4096)),
+        help="most pixels (width x height, read from the header before decoding) in one "
+        "image (default 16777216: 4096x4096)",
+    )
+    g.add_argument(
+        "--max-image-side",
+        type=int,
+        default=int(env("--max-image-side", 8192)),
+        help="longest side of an image, in pixels (default 8192)",
+    )
+    g.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=int(env("--max-images-per-request", 8)),
+        help="most images in one chat request; more get 400 (default 8)",
+    )
+    g.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        default=env_bool("--allow-remote-images"),
+        help="fetch images given as http(s) URLs, from public addresses only (see "
+        "docs/security.md; default: off, only inline data: URLs are taken)",
+    )
+    g.add_argument(
+        "--remote-image-timeout",
+        type=float,
+        default=float(env("--remote-image-timeout", 10.0)),
+        help="seconds the fetch of one remote image may take, redirects included (default 10)",
+    )
+
+
+def image_limits_from_args(args: argparse.Namespace) -> Any:
+    """The `ImageLimits` the image flags describe; ValueError names a bad one."""
+    from pagedkv.server.images.limits import ImageLimits
+
+    return ImageLimits(
+        max_bytes=args.max_image_bytes,
+        max_pixels=args.max_image_pixels,
+        max_side=args.max_image_side,
+        max_images=args.max_images_per_request,
+        allow_remote=args.allow_remote_images,
+        remote_timeout_s=args.remote_image_timeout,
+    )

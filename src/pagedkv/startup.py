@@ -64,7 +64,7 @@ def bind_port(host: str, port: int) -> socket.socket:
 
 def check_serve_flags(args: argparse.Namespace) -> None:
     """Refuse, before the model loads, the flags of `pagedkv serve` that cannot work."""
-    from pagedkv.flags import cache_config_from_args, lora_flags
+    from pagedkv.flags import cache_config_from_args, image_limits_from_args, lora_flags
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port number (0 to 65535; 0: any free)")
@@ -85,6 +85,11 @@ def check_serve_flags(args: argparse.Namespace) -> None:
         loras = lora_flags(getattr(args, "lora", None))
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    if hasattr(args, "max_image_bytes"):
+        try:
+            image_limits_from_args(args)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
     if getattr(args, "max_lora_rank", 1) < 1:
         raise UsageError(f"--max-lora-rank {args.max_lora_rank} must be at least 1")
     for name, directory in loras:

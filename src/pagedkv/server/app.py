@@ -52,6 +52,7 @@ from pagedkv.server.http_errors import (
     hidden_error,
     shutting_down,
 )
+from pagedkv.server.images import ImageLimits, attach_images, model_takes_images
 from pagedkv.server.leases import add_lease_routes, openai_leases
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
@@ -112,6 +113,7 @@ class ServerState:
     vocab_size: int | None
     tools: ToolSupport
     share: KeyShare
+    images: ImageLimits = field(default_factory=ImageLimits)
     render: RenderPool = field(default_factory=RenderPool)
     ledger: TenantLedger = field(default_factory=TenantLedger)
     dashboard: Dashboard = field(default_factory=Dashboard)
@@ -138,6 +140,7 @@ def create_app(
     tool_call_parser: str | None = None,
     metrics_keys: Iterable[str] = (),
     served_model_names: Sequence[str] = (),
+    images: ImageLimits | None = None,
 ) -> FastAPI:
     """An app serving `engine` (a `pagedkv.Engine`, or anything with its `EngineAPI`).
 
@@ -151,6 +154,8 @@ def create_app(
     names the tool-call format (`pagedkv.server.tools.PARSERS`) when the chat
     template does not make it clear.
     `metrics_keys` may read /metrics, as admin keys may (`server/authn.py`).
+    `images` bounds a chat request's images and says whether http(s) URLs are fetched
+    (`server/images/`).
     """
     names = served_names(served_model_names, model_name, engine.model_name)
     state = ServerState(
@@ -161,6 +166,7 @@ def create_app(
         vocab_size=engine.vocab_size if engine.vocab_size > 0 else None,
         tools=tool_support(engine.chat_template, tool_call_parser),
         share=KeyShare(max_requests_per_key),
+        images=images or ImageLimits(),
     )
     models = ModelNames(engine, [*names, engine.model_name])  # base names, then adapters
     app = FastAPI(title="pagedkv", version="0.1.0", strict_content_type=False)
@@ -395,6 +401,7 @@ def create_app(
         Callers hold the key's share (`admit`). `remember`: a generating request's render,
         kept for explain's `template_drift` (`Explainer.remember`)."""
         mode = tool_mode(body, state.tools)
+        await check_images(body, tenant)
         messages = chat_messages(body)
         render = functools.partial(
             engine.apply_chat_template, tools=template_tools(body), max_tokens=engine.max_context
@@ -405,6 +412,18 @@ def create_app(
             render, messages, what="the chat template", pool=state.render, owner=tenant.salt
         )
         return ids, mode
+
+    async def check_images(body: ChatCompletionRequest, tenant: Tenant) -> None:
+        """Decode the request's images onto their parts; then refuse them if the model
+        takes none (after the checks, so a bad image gets its own 400 either way)."""
+        found = await attach_images(body, state.images, state.render, tenant.salt)
+        if found and not model_takes_images(engine):
+            raise bad_request(
+                f"{found[0]}: the served model {state.model_name} does not take images; "
+                "send text only",
+                found[0],
+                code="images_not_supported",
+            )
 
     @app.get("/v1/cache/stats", responses=ERRORS)
     async def cache_stats(tenant: TenantDep) -> Response:

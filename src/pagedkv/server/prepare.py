@@ -14,6 +14,7 @@ from pagedkv.engine.grammar import GrammarError, ResponseFormat
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.model.generation_defaults import SamplingDefaults
 from pagedkv.server.http_errors import APIError, bad_request
+from pagedkv.server.images.request import IMAGE_PART, image_content
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import history_tool_calls
@@ -81,7 +82,9 @@ def completion_prompt(body: CompletionRequest) -> str | list[int]:
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: role and plain-text content, plus an
-    assistant turn's `tool_calls` and a tool result's `tool_call_id`."""
+    assistant turn's `tool_calls` and a tool result's `tool_call_id`. A message holding
+    images (attached by `images.attach_images`) has a list of text and image parts
+    instead (`images.image_content`)."""
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(body.messages):
         if msg.role == "function":
@@ -90,15 +93,17 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
                 "as role 'tool' with its tool_call_id",
                 f"messages[{i}].role",
             )
-        content = msg.content
-        if isinstance(content, list):
+        content: Any = msg.content
+        if isinstance(content, list) and any(p.type == IMAGE_PART for p in content):
+            content = image_content(content, i)
+        elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 param = f"messages[{i}].content[{j}]"
                 if part.type != "text":
                     raise bad_request(
                         f"{param}: content parts of type {part.type!r} are not "
-                        "supported; only 'text'",
+                        "supported; send 'text' or 'image_url'",
                         f"{param}.type",
                     )
                 if part.text is None:

@@ -4,16 +4,19 @@ Requests are validated strictly (no "5" for 5, no 1.5 for an int) and unknown
 fields are ignored, as most OpenAI-compatible servers do, so clients that send
 newer fields keep working. Every sampling field OpenAI or vLLM defines is declared
 here: honoured, or parsed and refused by the app with a 400 that names the field
-and says why (image parts, `echo`, `suffix`, `best_of`, beam search...), never
+and says why (`detail` of an image part, `echo`, `suffix`, `best_of`, beam search...), never
 silently dropped; the OpenAPI schema documents only the values that are served.
 The list, field by field, is docs/usage.md's "Sampling fields".
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr
+
+if TYPE_CHECKING:
+    from pagedkv.model.images import ImageInput
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
@@ -130,12 +133,45 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = Field(None, ge=1, json_schema_extra=_ONLY(1))
 
 
-class TextPart(_Request):
-    # The schema documents what is served; other part types get a 400 that names them.
-    model_config = ConfigDict(json_schema_extra={"required": ["type", "text"]})
+class ImageURL(_Request):
+    url: str = Field(
+        description="data:image/png;base64,... (PNG, JPEG or WebP); http(s) URLs only when "
+        "the server runs with --allow-remote-images"
+    )
+    detail: str | None = Field(
+        None, json_schema_extra={"enum": ["auto"]}, description="only 'auto' is served"
+    )
 
-    type: str = Field(json_schema_extra={"enum": ["text"]})
+
+class ContentPart(_Request):
+    """A part of a message's content: text, or an image (`server/images/`). The route
+    attaches the decoded image (`image`), and `source_param` names the field an
+    Anthropic image block's data came from, for its errors; neither is on the wire."""
+
+    # The schema documents what is served; other part types get a 400 that names them.
+    model_config = ConfigDict(json_schema_extra={"required": ["type"]})
+
+    type: str = Field(json_schema_extra={"enum": ["text", "image_url"]})
     text: Text | None = None
+    image_url: ImageURL | None = None
+    _image: ImageInput | None = PrivateAttr(None)
+    _source_param: str | None = PrivateAttr(None)
+
+    @property
+    def image(self) -> ImageInput | None:
+        return self._image
+
+    @image.setter
+    def image(self, image: ImageInput) -> None:
+        self._image = image
+
+    @property
+    def source_param(self) -> str | None:
+        return self._source_param
+
+    @source_param.setter
+    def source_param(self, param: str) -> None:
+        self._source_param = param
 
 
 class FunctionCall(_Request):
@@ -157,7 +193,7 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"] = Field(
         json_schema_extra={"enum": ["system", "developer", "user", "assistant", "tool"]}
     )
-    content: Text | list[TextPart] | None = None
+    content: Text | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: Text | None = None

@@ -33,6 +33,7 @@ from pagedkv.engine.stats import EngineStats
 from pagedkv.server.app import DEFAULT_MAX_BODY_BYTES, ServerState, create_app
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.error_handlers import error_body
+from pagedkv.server.images import ImageLimits
 from pagedkv.server.limits import RequestLimits
 from pagedkv.server.transport import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -65,6 +66,7 @@ def run_server(
     model_name: str | None = None,
     tool_call_parser: str | None = None,
     served_model_names: Sequence[str] = (),
+    images: ImageLimits | None = None,
     log_level: str = "info",
     access_log: bool = False,
     drain_timeout: float = 5.0,
@@ -83,6 +85,7 @@ def run_server(
     (the CLI sets it) logs a warning: other users of the host can read them in `ps`.
     `max_connections_per_client` None is a quarter of `max_connections`; 0 is no cap.
     `metrics_keys` may read /metrics (as may admin keys; see `server/authn.py`).
+    `images` bounds requests' images (`server/images/`; default: `ImageLimits()`).
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(
@@ -102,6 +105,7 @@ def run_server(
             tool_call_parser=tool_call_parser,
             metrics_keys=metrics_keys,
             served_model_names=served_model_names,
+            images=images,
         )
         state: ServerState = app.state.pagedkv
         sock = _listen(sock if sock is not None else bind_port(host, port))

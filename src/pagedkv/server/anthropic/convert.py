@@ -34,16 +34,59 @@ def _text_of(blocks: str | list[ContentBlock] | None, param: str) -> str:
     return "\n".join(texts)
 
 
-def _user_turn(blocks: list[ContentBlock], param: str) -> list[dict[str, Any]]:
-    """Tool results become tool messages (in order), the text one user message after them."""
+# Sources of images: (chat message index, part index, the field the client sent).
+ImageSources = list[tuple[int, int, str]]
+MEDIA_TYPES = ("image/png", "image/jpeg", "image/webp")
+
+
+def _image_part(block: ContentBlock, where: str) -> tuple[dict[str, Any], str]:
+    """An image block as an OpenAI `image_url` part, and the name of its data's field."""
+    source = block.source
+    if source is None:
+        raise bad_request(f"{where}: an image block needs 'source'", f"{where}.source")
+    if source.type == "base64":
+        if source.media_type not in MEDIA_TYPES:
+            raise bad_request(
+                f"{where}.source.media_type: {source.media_type!r} is not taken; send "
+                f"{', '.join(MEDIA_TYPES)} (the format is then read from the data itself)",
+                f"{where}.source.media_type",
+            )
+        if not source.data:
+            raise bad_request(
+                f"{where}.source: a base64 source needs 'data'", f"{where}.source.data"
+            )
+        url, field = f"data:{source.media_type};base64,{source.data}", "data"
+    elif source.type == "url":
+        if not source.url:
+            raise bad_request(f"{where}.source: a url source needs 'url'", f"{where}.source.url")
+        url, field = source.url, "url"
+    else:
+        raise bad_request(
+            f"{where}.source.type: image sources of type {source.type!r} are not supported; "
+            "send 'base64' or 'url'",
+            f"{where}.source.type",
+        )
+    return {"type": "image_url", "image_url": {"url": url}}, f"{where}.source.{field}"
+
+
+def _user_turn(blocks: list[ContentBlock], param: str) -> tuple[list[dict[str, Any]], ImageSources]:
+    """Tool results become tool messages (in order), the text one user message after them:
+    plain text, or, when the turn holds images, its text and image parts in order."""
     out: list[dict[str, Any]] = []
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+    sources: list[tuple[int, str]] = []
     for j, block in enumerate(blocks):
         where = f"{param}[{j}]"
         if block.type == "text":
             if block.text is None:
                 raise bad_request(f"{where}: a text block needs 'text'", f"{where}.text")
             texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif block.type == "image":
+            part, field = _image_part(block, where)
+            sources.append((len(parts), field))
+            parts.append(part)
         elif block.type == "tool_result":
             if not block.tool_use_id:
                 raise bad_request(
@@ -56,12 +99,14 @@ def _user_turn(blocks: list[ContentBlock], param: str) -> list[dict[str, Any]]:
         else:
             raise bad_request(
                 f"{where}: content blocks of type {block.type!r} are not supported; "
-                "send 'text' or 'tool_result'",
+                "send 'text', 'image' or 'tool_result'",
                 f"{where}.type",
             )
-    if texts:
+    if sources:
+        out.append({"role": "user", "content": parts})
+    elif texts:
         out.append({"role": "user", "content": "\n".join(texts)})
-    return out
+    return out, [(len(out) - 1, k, field) for k, field in sources]
 
 
 def _assistant_turn(blocks: list[ContentBlock], param: str) -> dict[str, Any]:
@@ -98,13 +143,15 @@ def chat_origins(body: CountTokensRequest) -> list[int | None]:
         if isinstance(msg.content, str) or msg.role == "assistant":
             origins.append(i)
         else:
-            origins.extend([i] * len(_user_turn(msg.content, f"messages[{i}].content")))
+            turn, _ = _user_turn(msg.content, f"messages[{i}].content")
+            origins.extend([i] * len(turn))
     return origins
 
 
 def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The OpenAI form of `body` (sampling fields too for a `MessagesRequest`)."""
     messages: list[dict[str, Any]] = []
+    images: ImageSources = []
     if body.system:
         messages.append({"role": "system", "content": _text_of(body.system, "system")})
     for i, msg in enumerate(body.messages):
@@ -112,7 +159,9 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         if isinstance(msg.content, str):
             messages.append({"role": msg.role, "content": msg.content})
         elif msg.role == "user":
-            messages.extend(_user_turn(msg.content, param))
+            turn, sources = _user_turn(msg.content, param)
+            images += [(len(messages) + m, k, field) for m, k, field in sources]
+            messages.extend(turn)
         else:
             messages.append(_assistant_turn(msg.content, param))
     chat: dict[str, Any] = {"model": body.model, "messages": messages}
@@ -146,7 +195,12 @@ def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         if body.stop_sequences:
             chat["stop"] = list(body.stop_sequences)
     try:
-        return ChatCompletionRequest.model_validate(chat)
+        request = ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:  # a message the chat form cannot hold
         first = exc.errors()[0]
         raise bad_request(f"the request cannot be served: {first.get('msg')}") from exc
+    for m, k, field in images:  # errors about an image name the client's own field
+        content = request.messages[m].content
+        assert isinstance(content, list)
+        content[k].source_param = field
+    return request

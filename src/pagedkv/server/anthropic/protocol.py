@@ -15,9 +15,22 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedkv.server.protocol import StopText, Text, _Request
 
 
+class ImageSource(_Request):
+    """An image block's `source`: `base64` (`media_type` and `data`), or `url` (only when
+    the server runs with --allow-remote-images)."""
+
+    type: str = Field(json_schema_extra={"enum": ["base64", "url"]})
+    media_type: str | None = Field(
+        None, json_schema_extra={"enum": ["image/png", "image/jpeg", "image/webp"]}
+    )
+    data: str | None = None
+    url: str | None = None
+
+
 class ContentBlock(_Request):
-    type: str = Field(json_schema_extra={"enum": ["text", "tool_use", "tool_result"]})
+    type: str = Field(json_schema_extra={"enum": ["text", "image", "tool_use", "tool_result"]})
     text: Text | None = None
+    source: ImageSource | None = None
     id: str | None = None
     name: str | None = None
     input: dict[str, Any] | None = None

@@ -1,0 +1,16 @@
+"""Images in chat requests: sources, limits, fetching, decoding (issue 32's input side)."""
+
+from pagedkv.server.images.decode import decode_image
+from pagedkv.server.images.fetch import fetch_image, public_address
+from pagedkv.server.images.limits import ImageLimits
+from pagedkv.server.images.request import attach_images, image_content, model_takes_images
+
+__all__ = [
+    "ImageLimits",
+    "attach_images",
+    "decode_image",
+    "fetch_image",
+    "image_content",
+    "model_takes_images",
+    "public_address",
+]
