@@ -134,9 +134,13 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ImageURL(_Request):
-    url: str = Field(
+    # Optional here so that a missing url is the app's 400 naming it, not a union error.
+    model_config = ConfigDict(json_schema_extra={"required": ["url"]})
+
+    url: str | None = Field(
+        None,
         description="data:image/png;base64,... (PNG, JPEG or WebP); http(s) URLs only when "
-        "the server runs with --allow-remote-images"
+        "the server runs with --allow-remote-images",
     )
     detail: str | None = Field(
         None, json_schema_extra={"enum": ["auto"]}, description="only 'auto' is served"

@@ -27,6 +27,7 @@ from pagedkv.server.http_errors import APIError, bad_request
 from pagedkv.server.images.limits import ImageLimits
 
 ACCEPTED = "PNG, JPEG or WebP"
+_NAMES = {"WEBP": "WebP"}
 
 # (signature at offset 0, Pillow's format name); WebP is RIFF....WEBP, checked apart.
 _ACCEPTED_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"))
@@ -96,7 +97,7 @@ def decode_image(data: bytes, limits: ImageLimits, param: str) -> ImageInput:
         raise _refuse("the image is too large to decode", param) from None
     except Exception as exc:  # Pillow's errors on bad data: OSError, SyntaxError, ValueError...
         raise _refuse(
-            f"the {fmt} data could not be decoded (it is truncated or corrupt: "
+            f"the {_NAMES.get(fmt, fmt)} data could not be decoded (it is truncated or corrupt: "
             f"{exc.__class__.__name__}); send a whole {ACCEPTED} file",
             param,
         ) from None

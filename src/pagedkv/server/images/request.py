@@ -56,10 +56,11 @@ def image_parts(body: ChatCompletionRequest, limits: ImageLimits) -> list[tuple[
                     f"{msg.role!r} message",
                     f"{where}.type",
                 )
-            if part.image_url is None:
+            if part.image_url is None or part.image_url.url is None:
+                field = "image_url" if part.image_url is None else "image_url.url"
                 raise bad_request(
                     f"{where}: an image_url part needs 'image_url': {{'url': ...}}",
-                    f"{where}.image_url",
+                    f"{where}.{field}",
                 )
             detail = part.image_url.detail
             if detail not in (None, "auto"):
@@ -90,7 +91,7 @@ async def attach_images(
     for part, param in found:
         if part.image is not None:
             continue
-        assert part.image_url is not None  # image_parts checked it
+        assert part.image_url is not None and part.image_url.url is not None  # checked
         source = image_source(part.image_url.url, limits, param)
         if isinstance(source, InlineImage):
             image = await pool.run(owner, _decode_inline, source, limits, param)
