@@ -283,3 +283,22 @@ def test_the_image_flags_defaults_are_image_limits_defaults() -> None:
     assert limits.allow_remote and limits.max_pixels == 99
     with pytest.raises(ValueError, match="--max-image-side 0"):
         ImageLimits(max_side=0)
+
+
+def test_attach_images_keeps_pixels_only_when_asked() -> None:
+    import asyncio
+
+    from pagedkv.server.images import attach_images
+    from pagedkv.server.protocol import ChatCompletionRequest
+    from pagedkv.server.render_pool import RenderPool
+
+    pool = RenderPool(2)
+    try:
+        for keep in (False, True):
+            body = ChatCompletionRequest.model_validate(openai_parts(image_url(data_url(PNG))))
+            found = asyncio.run(attach_images(body, ImageLimits(), pool, None, keep=keep))
+            assert found == ["messages[1].content[0].image_url.url"]
+            part = body.messages[1].content[0]  # type: ignore[index]
+            assert (part.image is not None) is keep
+    finally:
+        pool.close()

@@ -65,6 +65,12 @@ JSON_CASES: list[tuple[str, Any, int, str | None]] = [
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         400,
+        "messages[0].content[0].image_url.url",
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+        400,
         "messages[0].content[0].type",
     ),
     (CHAT, {"messages": [{"role": "function", "content": "42"}]}, 400, "messages[0].role"),

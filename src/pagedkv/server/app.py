@@ -416,8 +416,9 @@ def create_app(
     async def check_images(body: ChatCompletionRequest, tenant: Tenant) -> None:
         """Decode the request's images onto their parts; then refuse them if the model
         takes none (after the checks, so a bad image gets its own 400 either way)."""
-        found = await attach_images(body, state.images, state.render, tenant.salt)
-        if found and not model_takes_images(engine):
+        takes = model_takes_images(engine)
+        found = await attach_images(body, state.images, state.render, tenant.salt, keep=takes)
+        if found and not takes:
             raise bad_request(
                 f"{found[0]}: the served model {state.model_name} does not take images; "
                 "send text only",

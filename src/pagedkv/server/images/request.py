@@ -82,11 +82,18 @@ def image_parts(body: ChatCompletionRequest, limits: ImageLimits) -> list[tuple[
 
 
 async def attach_images(
-    body: ChatCompletionRequest, limits: ImageLimits, pool: RenderPool, owner: str | None
+    body: ChatCompletionRequest,
+    limits: ImageLimits,
+    pool: RenderPool,
+    owner: str | None,
+    keep: bool = True,
 ) -> list[str]:
     """Decode every image of `body` (fetching remote ones when allowed) and attach it to
     its part; returns the images' field names, in order. Decoding runs on the render
-    pool, fairly between keys; a part already attached (a second call) is kept."""
+    pool, fairly between keys; a part already attached (a second call) is kept.
+    `keep=False` checks the images without keeping their pixels (a model that takes
+    none refuses them next: a request of eight small PNGs of 16 MP each would
+    otherwise hold 384 MiB while it waits for its refusal)."""
     found = image_parts(body, limits)
     for part, param in found:
         if part.image is not None:
@@ -98,7 +105,9 @@ async def attach_images(
         else:
             data = await fetch_image(source.url, limits, param)
             image = await pool.run(owner, decode_image, data, limits, param)
-        part.image = image
+        if keep:
+            part.image = image
+        del image
     return [param for _, param in found]
 
 
