@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from image_engine import ImageEngine, image_parts_of
 from image_files import encode, pixels
 
 from pagedkv.model.images import image_from_pixels
@@ -175,7 +176,6 @@ def test_a_slow_server_is_cut_at_the_timeout(origin: str, loopback_is_public: No
 
 def test_remote_images_through_both_apis(origin: str, loopback_is_public: None) -> None:
     from starlette.testclient import TestClient
-    from test_images_requests import ImageEngine, image_parts_of
 
     from pagedkv.server.app import create_app
 

@@ -4,10 +4,10 @@ the next request; a model that takes images gets text and image parts in order."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from image_engine import ImageEngine, image_parts_of
 from image_files import animated, b64, data_url, encode, pixels, png_header_claiming
 from server_fake_engine import FakeEngine
 from starlette.testclient import TestClient
@@ -18,28 +18,6 @@ from pagedkv.server.images import ImageLimits, model_takes_images
 
 PNG = encode(pixels(), "PNG")
 ANTHROPIC = {"anthropic-version": "2023-06-01"}
-
-
-class ImageEngine(FakeEngine):
-    """A fake whose model takes images; it keeps the messages each render was given."""
-
-    takes_images = True
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.rendered: list[list[dict[str, Any]]] = []
-
-    def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], *args: Any, **kwargs: Any
-    ) -> list[int]:
-        self.rendered.append(list(messages))
-        flat = [
-            {**m, "content": "".join(p.get("text", "<image>") for p in m["content"])}
-            if isinstance(m["content"], list)
-            else m
-            for m in messages
-        ]
-        return super().apply_chat_template(flat, *args, **kwargs)
 
 
 def client(engine: FakeEngine | None = None, **limits: Any) -> TestClient:
@@ -150,12 +128,6 @@ def test_a_model_without_images_refuses_them_after_checking_them() -> None:
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert "does not take images" in r.json()["error"]["message"]
     assert_answers(c)
-
-
-def image_parts_of(engine: ImageEngine) -> list[dict[str, Any]]:
-    content = engine.rendered[-1][-1]["content"]
-    assert isinstance(content, list)
-    return content
 
 
 def test_a_model_that_takes_images_gets_text_and_image_parts_in_the_clients_order() -> None:
@@ -285,20 +257,32 @@ def test_the_image_flags_defaults_are_image_limits_defaults() -> None:
         ImageLimits(max_side=0)
 
 
-def test_attach_images_keeps_pixels_only_when_asked() -> None:
+def test_attach_images_decodes_on_the_render_pool_and_keeps_pixels_only_when_asked() -> None:
     import asyncio
+    import threading
 
     from pagedkv.server.images import attach_images
     from pagedkv.server.protocol import ChatCompletionRequest
     from pagedkv.server.render_pool import RenderPool
 
-    pool = RenderPool(2)
+    threads: list[str] = []
+
+    class Pool(RenderPool):
+        async def run(self, owner: str | None, fn: Any, *args: object) -> Any:
+            def on_thread(*inner: object) -> Any:
+                threads.append(threading.current_thread().name)
+                return fn(*inner)
+
+            return await super().run(owner, on_thread, *args)
+
+    pool = Pool(2)
     try:
         for keep in (False, True):
             body = ChatCompletionRequest.model_validate(openai_parts(image_url(data_url(PNG))))
-            found = asyncio.run(attach_images(body, ImageLimits(), pool, None, keep=keep))
+            found = asyncio.run(attach_images(body, ImageLimits(), pool, "key", keep=keep))
             assert found == ["messages[1].content[0].image_url.url"]
             part = body.messages[1].content[0]  # type: ignore[index]
             assert (part.image is not None) is keep
+        assert len(threads) == 2 and all(t.startswith("pagedkv-render") for t in threads)
     finally:
         pool.close()
