@@ -60,6 +60,12 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/slow":
             time.sleep(3)
             self.send(200, PNG)
+        elif path == "/trickle":  # each byte well within a read timeout, the whole not
+            self.send(200)
+            for _ in range(30):
+                time.sleep(0.1)
+                self.wfile.write(b"\x89")
+                self.wfile.flush()
         elif path == "/gzip":
             self.send(200, b"\x1f\x8b", Content_Encoding="gzip", Content_Length="2")
         else:
@@ -171,6 +177,10 @@ def test_a_slow_server_is_cut_at_the_timeout(origin: str, loopback_is_public: No
     limits = ImageLimits(allow_remote=True, remote_timeout_s=0.3)
     message = refused(origin + "/slow", limits)
     assert "took over 0.3 s" in message or "ReadTimeout" in message
+    assert time.perf_counter() - started < 2
+    started = time.perf_counter()
+    message = refused(origin + "/trickle", ImageLimits(allow_remote=True, remote_timeout_s=0.5))
+    assert "took over 0.5 s" in message and "--remote-image-timeout" in message
     assert time.perf_counter() - started < 2
 
 
