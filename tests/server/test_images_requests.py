@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from pagedkv.model.images import ImageInput, image_from_pixels
 from pagedkv.server.app import create_app
-from pagedkv.server.images import ImageLimits, model_takes_images
+from pagedkv.server.images import ImageLimits, decode_image, model_takes_images
 
 PNG = encode(pixels(), "PNG")
 ANTHROPIC = {"anthropic-version": "2023-06-01"}
@@ -286,3 +286,16 @@ def test_attach_images_decodes_on_the_render_pool_and_keeps_pixels_only_when_ask
         assert len(threads) == 2 and all(t.startswith("pagedkv-render") for t in threads)
     finally:
         pool.close()
+
+
+def test_drift_digests_name_an_image_by_its_pixels() -> None:
+    from pagedkv.server.drift import message_digests
+
+    def message(data: bytes) -> list[dict[str, Any]]:
+        image = decode_image(data, ImageLimits(), "p")  # a new object each time
+        return [{"role": "user", "content": [text("a"), {"type": "image", "image": image}]}]
+
+    png, webp = encode(pixels(), "PNG"), encode(pixels(), "WEBP", lossless=True)
+    assert message_digests(message(png), None) == message_digests(message(webp), None)
+    other = encode(pixels(seed=9), "PNG")
+    assert message_digests(message(png), None)[1] != message_digests(message(other), None)[1]

@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from pagedkv.model.images import ImageInput
+
 STRIDE = 16
 MAX_TOKENS = 1 << 16
 
@@ -56,12 +58,20 @@ class _Render:
         return 8 * (len(self.messages) + len(self.prefixes)) + 120
 
 
+def _stable(value: object) -> str:
+    """JSON for what json cannot write: an image by its pixels' digest (its repr names
+    a memory address, so the same image sent twice would never compare equal)."""
+    if isinstance(value, ImageInput):
+        return "image:" + value.digest.hex()
+    return str(value)
+
+
 def message_digests(messages: Sequence[dict[str, Any]], tools: Any) -> tuple[int, ...]:
     """Cumulative digests: of the tools, then of the tools and messages[:k], k >= 1."""
-    h = xxhash.xxh3_64_intdigest(json.dumps(tools, sort_keys=True, default=str).encode())
+    h = xxhash.xxh3_64_intdigest(json.dumps(tools, sort_keys=True, default=_stable).encode())
     out = [h]
     for m in messages:
-        raw = json.dumps(m, sort_keys=True, default=str).encode()
+        raw = json.dumps(m, sort_keys=True, default=_stable).encode()
         h = xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + raw)
         out.append(h)
     return tuple(out)
