@@ -3,7 +3,10 @@
 The conversion is to the OpenAI model rather than to the template's messages
 directly, so that both APIs share one path for checking messages and tools,
 rendering the template and choosing the tool parser: a prompt sent through
-either API is the same token ids, and so the same cached prefix.
+either API is the same token ids, and so the same cached prefix. An image block
+becomes an `image_url` part (base64 data as a data URL) that keeps the name of
+the client's field (`source.data`, `source.url`) for its errors
+(`server/images/request.py`).
 """
 
 from __future__ import annotations
