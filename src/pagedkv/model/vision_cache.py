@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-# What `--vision-cache-bytes` defaults to: a few hundred images of a 7B LLaVA
-# (576 rows of 4096 float32s, 9 MiB each).
-DEFAULT_VISION_CACHE_BYTES = 256 * 2**20
+from pagedkv.config import DEFAULT_VISION_CACHE_BYTES
 
 
 @dataclass(frozen=True, slots=True)
