@@ -181,3 +181,20 @@ def test_text_model_refuses_images(tiny_llama_dir: Path) -> None:
             eng.render_chat([_user("Look: ", tiny_image(1))])
         plain = eng.render_chat([{"role": "user", "content": "hi"}])
         assert plain.token_ids == eng.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_image_keys_reach_redis(tiny_llava_dir: Path, redis_url: str) -> None:
+    """A second engine (its RAM empty) finds the image prompt's blocks in Redis, and
+    another image at the same place misses there from the image's block on."""
+    cfg = CacheConfig(block_size=BS, redis_url=redis_url)
+    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as off:
+        a, b = _prompt(off, tiny_image(16)), _prompt(off, tiny_image(17))
+        want = off.generate(a.token_ids, GREEDY, images=a.images).token_ids
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cfg) as eng:
+        eng.generate(a.token_ids, GREEDY, images=a.images)
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cfg) as eng:
+        again = eng.generate(a.token_ids, GREEDY, images=a.images)
+        other = eng.generate(b.token_ids, GREEDY, images=b.images)
+    assert again.token_ids == want and again.tier_hits.get("redis", 0) > 0
+    assert again.cached_tokens >= len(a.token_ids) // BS * BS
+    assert other.cached_tokens == b.images[0].start // BS * BS

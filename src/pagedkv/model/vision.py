@@ -162,6 +162,13 @@ class VisionModel:
         )
         if check is not None:
             check(str(text))
+        placeholder = getattr(self.processor, "image_token", None)
+        if isinstance(placeholder, str) and str(text).count(placeholder) != len(images):
+            raise ImagePromptError(
+                f"the rendered conversation holds {str(text).count(placeholder)} image "
+                f"placeholders {placeholder!r} for {len(images)} images: a text part "
+                "contains the placeholder itself; remove it from the text"
+            )
         pil = [image.pixels for image in images]
         out = self.processor(
             text=text, images=pil or None, add_special_tokens=False, return_tensors="pt"
