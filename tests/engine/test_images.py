@@ -11,7 +11,7 @@ import pytest
 from engine_helpers import BS, GREEDY
 from fixtures_vision import IMAGE_TOKENS, tiny_image
 
-from pagedkv import CacheConfig, Engine
+from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.errors import ImagePromptError
 
@@ -198,3 +198,29 @@ def test_image_keys_reach_redis(tiny_llava_dir: Path, redis_url: str) -> None:
     assert again.token_ids == want and again.tier_hits.get("redis", 0) > 0
     assert again.cached_tokens >= len(a.token_ids) // BS * BS
     assert other.cached_tokens == b.images[0].start // BS * BS
+
+
+def test_preempted_image_requests_and_n_samples_stay_exact(tiny_llava_dir: Path) -> None:
+    """A KV budget too small for four image requests at once: the preempted ones resume
+    from the cache with their images' keys and equal their answers alone; n=2 samples
+    of an image prompt fork its KV and decode as one alone does."""
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as off:
+        prompts = [_prompt(off, tiny_image(30 + i), text=f"Picture {i}: ") for i in range(4)]
+        want = [off.generate(p.token_ids, params, images=p.images).token_ids for p in prompts]
+        per_token = off.adapter.kv_bytes_per_token
+    # two requests start (prompt + 256 tokens each) but cannot both grow to their 300
+    longest = max(len(p.token_ids) for p in prompts)
+    cfg = CacheConfig(block_size=BS, kv_budget_bytes=(2 * (longest + 256) + 40) * per_token)
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cfg) as eng:
+        streams = [eng.stream(p.token_ids, params, images=p.images) for p in prompts]
+        got = [[t for e in s for t in e.token_ids] for s in streams]
+        stats = eng.cache_stats().scheduling
+        pair = eng.generate_n(
+            prompts[0].token_ids,
+            SamplingParams(max_tokens=8, ignore_eos=True, n=2),
+            images=prompts[0].images,
+        )
+    assert got == want
+    assert stats is not None and stats.preemptions > 0, "the budget never ran short"
+    assert [r.token_ids for r in pair] == [want[0][:8]] * 2
