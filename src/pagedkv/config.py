@@ -78,6 +78,11 @@ def default_ssd_cache_bytes(directory: Path) -> int:
     return int(min(20 * GiB, shutil.disk_usage(probe).free * 0.10))
 
 
+# What `--vision-cache-bytes` defaults to: a few hundred images of a 7B LLaVA
+# (576 encoder rows of 4096 float32s, 9 MiB each).
+DEFAULT_VISION_CACHE_BYTES = 256 * 2**20
+
+
 @dataclass
 class CacheConfig:
     """How the prefix cache is laid out and where its tiers live, and how much memory the
@@ -112,6 +117,8 @@ class CacheConfig:
     reasoning_cache: str = "auto"
     # At most this fraction of each tier may be held by leases (`cache.leases`).
     max_leased_fraction: float = 0.5
+    # A VLM's image encoder rows kept in RAM by image key (`model.vision_cache`); 0: none.
+    vision_cache_bytes: int = DEFAULT_VISION_CACHE_BYTES
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -145,9 +152,13 @@ class CacheConfig:
             "kv_budget_bytes",
             "ssd_cache_bytes",
             "ssd_namespace_quota_bytes",
+            "vision_cache_bytes",
         ):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, parse_size(value))
+        v = self.vision_cache_bytes
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"vision_cache_bytes must be a size >= 0, got {v!r}")
         if self.ssd_cache_dir is not None:
             self.ssd_cache_dir = Path(self.ssd_cache_dir).expanduser()

@@ -93,3 +93,8 @@ class UnknownAdapterError(PagedKVError, KeyError):
 
     def __str__(self) -> str:  # KeyError's own quotes the message
         return str(self.args[0])
+
+
+class ImagePromptError(PagedKVError, ValueError):
+    """A conversation's images cannot be rendered for the model: it takes no images, or
+    the processor's placeholder tokens do not line up with the images sent."""

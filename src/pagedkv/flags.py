@@ -157,6 +157,12 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
         "bfloat16, float16, or int8 with a scale per token and head (see docs/usage.md)",
     )
     g.add_argument(
+        "--vision-cache-bytes",
+        default=env("--vision-cache-bytes", "256MiB"),
+        help="a vision-language model's image encoder outputs kept in RAM by image, so a "
+        "repeated image skips the encoder, e.g. 512MiB; 0 keeps none (default 256MiB)",
+    )
+    g.add_argument(
         "--no-prefix-cache",
         action="store_true",
         default=env_bool("--no-prefix-cache"),
@@ -246,6 +252,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         kv_dtype=getattr(args, "kv_dtype", "auto"),
         reasoning_cache=getattr(args, "reasoning_cache", "auto"),
         max_leased_fraction=getattr(args, "max_leased_fraction", 0.5),
+        vision_cache_bytes=parse_size(getattr(args, "vision_cache_bytes", "256MiB")),
     )
 
 

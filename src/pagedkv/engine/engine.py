@@ -37,6 +37,7 @@ from pagedkv.engine.worker import Worker
 from pagedkv.errors import (
     EngineClosedError,
     EngineOverloadedError,
+    ImagePromptError,
     PagedKVError,
     RequestTooLargeError,
 )
@@ -45,6 +46,7 @@ from pagedkv.model.batch import DeterministicRows, linear_layers
 from pagedkv.model.fingerprint import describe_namespace
 from pagedkv.model.generation_defaults import SamplingDefaults
 from pagedkv.model.lora import DEFAULT_MAX_LORA_RANK, LoraWeights
+from pagedkv.model.vision import ImagePrompt, ImageSpan, has_images, image_segments
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,8 @@ class Engine:
         log.info("sampling defaults of %s: %s", adapter.name, self.sampling_defaults.describe())
         # Before any buffer exists, with caching on or off: the same rounding either way.
         adapter.set_kv_dtype(self.config.kv_dtype)
+        if adapter.vision is not None:
+            adapter.vision.cache.resize(self.config.vision_cache_bytes)
         self.prefix = self._build_prefix_cache()
         self.reasoning = self._reasoning_policy()
         # The ids that open a reasoning block, for explain's `reasoning_stripped`.
@@ -265,6 +269,40 @@ class Engine:
         return self.adapter.apply_chat_template(list(messages), **extra)
 
     @property
+    def takes_images(self) -> bool:
+        """Whether the model reads images (`render_chat` renders image parts)."""
+        return self.adapter.vision is not None
+
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
+    ) -> ImagePrompt:
+        """A conversation whose content may hold image parts (`{"type": "image",
+        "image": ImageInput}`): its ids, each image's placeholder tokens expanded, and the
+        images' spans to pass to `stream(images=...)`. A text model refuses image parts
+        (ImagePromptError, a ValueError); for it this is `apply_chat_template`."""
+        if self.adapter.vision is None:
+            if has_images(messages):
+                raise ImagePromptError(
+                    f"model {self.model_name} takes no images; send text content only"
+                )
+            ids = self.apply_chat_template(
+                messages, tools, add_generation_prompt=add_generation_prompt,
+                max_tokens=max_tokens,
+            )  # fmt: skip
+            return ImagePrompt(ids)
+        extra: dict[str, Any] = {}
+        if tools:
+            extra["tools"] = list(tools)
+        return self.adapter.render_chat(
+            list(messages), add_generation_prompt, max_tokens=max_tokens, **extra
+        )
+
+    @property
     def chat_template(self) -> str | None:
         """The model's chat template source; None when it has none (or several)."""
         template = getattr(self.adapter.tokenizer, "chat_template", None)
@@ -282,11 +320,14 @@ class Engine:
         cache_salt: str | None = None,
         owner: str | None = None,
         lora: str | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> GenerationResult:
         """The finished request (`params.n` must be 1; see `generate_n`)."""
         if params is not None and params.n != 1:
             raise ValueError(f"generate returns one sample, n is {params.n}: use generate_n")
-        return self.generate_n(prompt, params, cache_salt=cache_salt, owner=owner, lora=lora)[0]
+        return self.generate_n(
+            prompt, params, cache_salt=cache_salt, owner=owner, lora=lora, images=images
+        )[0]
 
     def generate_n(
         self,
@@ -296,10 +337,14 @@ class Engine:
         cache_salt: str | None = None,
         owner: str | None = None,
         lora: str | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> list[GenerationResult]:
         """The `params.n` samples of one request, by index."""
         results: dict[int, GenerationResult] = {}
-        for event in self.stream(prompt, params, cache_salt=cache_salt, owner=owner, lora=lora):
+        stream = self.stream(
+            prompt, params, cache_salt=cache_salt, owner=owner, lora=lora, images=images
+        )
+        for event in stream:
             if event.finished:
                 assert event.result is not None
                 results[event.index] = event.result
@@ -316,6 +361,7 @@ class Engine:
         owner: str | None = None,
         lora: str | None = None,
         leases: Sequence[LeaseRequest] = (),
+        images: Sequence[ImageSpan] = (),
     ) -> RequestStream:
         """Events as tokens are generated. `cancel()` or `close()` ends the request.
         `owner` names who sent it (the server passes the API key's tenant): when the
@@ -324,14 +370,17 @@ class Engine:
         `lora` names a loaded LoRA adapter to generate with (None: the base model).
 
         `leases`: prefixes of the prompt to lease once it is cached (`cache.leases`),
-        owned by `owner`; ignored when prefix caching is off."""
+        owned by `owner`; ignored when prefix caching is off.
+
+        `images`: the prompt's images, as `render_chat` returned them with its ids."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
         else:
             ids = _check_ids(prompt, self.vocab_size)
         req = self._submit(
-            ids, params or SamplingParams(), cache_salt, owner, lora, leases=tuple(leases)
-        )
+            ids, params or SamplingParams(), cache_salt, owner, lora, leases=tuple(leases),
+            images=tuple(images),
+        )  # fmt: skip
         return RequestStream(req)
 
     def prewarm(
@@ -416,8 +465,11 @@ class Engine:
         cache_salt: str | None = None,
         owner: str | None = None,
     ) -> GenerationResult:
-        ids = self.apply_chat_template(messages)
-        return self.generate(ids, params, cache_salt=cache_salt, owner=owner)
+        rendered = self.render_chat(messages)
+        return self.generate(
+            rendered.token_ids, params, cache_salt=cache_salt, owner=owner,
+            images=rendered.images,
+        )  # fmt: skip
 
     def chat_stream(
         self,
@@ -427,8 +479,11 @@ class Engine:
         cache_salt: str | None = None,
         owner: str | None = None,
     ) -> RequestStream:
-        ids = self.apply_chat_template(messages)
-        return self.stream(ids, params, cache_salt=cache_salt, owner=owner)
+        rendered = self.render_chat(messages)
+        return self.stream(
+            rendered.token_ids, params, cache_salt=cache_salt, owner=owner,
+            images=rendered.images,
+        )  # fmt: skip
 
     def load_adapter(self, name: str, directory: str | Path) -> dict[str, Any]:
         """Load the PEFT LoRA adapter in `directory` as `name` (a reload when the name is
@@ -479,6 +534,7 @@ class Engine:
                 kv_dtype=self.config.kv_dtype,
             ),
             request_misses=worker.miss_reasons.copy(),
+            vision=self.adapter.vision.cache.stats() if self.adapter.vision else None,
         )
 
     def accounting(self) -> Accounting:
@@ -562,6 +618,8 @@ class Engine:
         if self.prefix is not None:
             self.prefix.clear_lower()
             self._call(self.prefix.clear_ram)
+        if self.adapter.vision is not None:
+            self._call(self.adapter.vision.cache.clear)
 
     def close(self, timeout: float = 20.0) -> None:
         """Cancel queued work, finish the worker and flush cache writes within `timeout`."""
@@ -594,9 +652,12 @@ class Engine:
         prefill_only: bool = False,
         background: bool = False,
         leases: tuple[LeaseRequest, ...] = (),
+        images: tuple[ImageSpan, ...] = (),
     ) -> Request:
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
+        if images:
+            self._check_images(ids, images)
         if len(ids) >= self.max_context:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but the model's context is "
@@ -622,11 +683,34 @@ class Engine:
             if lora is not None:
                 self.adapters.release(lora)
             raise
-        extra = _extra_keys(salt, lora)
+        extra = _extra_keys(salt, lora, images)
         req = Request(ids, params, extra, owner=owner, grammar=grammar, lora=lora,
-                      prefill_only=prefill_only, background=background, leases=leases)  # fmt: skip
+                      prefill_only=prefill_only, background=background, leases=leases,
+                      images=images)  # fmt: skip
         self._queue.put(req)
         return req
+
+    def _check_images(self, ids: list[int], images: tuple[ImageSpan, ...]) -> None:
+        """Images need a model that reads them through the ragged batch, and spans that
+        lie on the prompt's placeholder tokens, in order, apart."""
+        vision = self.adapter.vision
+        if vision is None:
+            raise ImagePromptError(f"model {self.model_name} takes no images")
+        if not self.adapter.batched:
+            raise ImagePromptError(
+                f"images need the ragged batch, and {self.model_name} runs one sequence "
+                f"per forward ({self.adapter.unbatched_reason})"
+            )
+        end = 0
+        for span in images:
+            if not end <= span.start < span.end <= len(ids) or set(ids[span.start : span.end]) != {
+                vision.image_token_id
+            }:
+                raise ImagePromptError(
+                    f"an image span [{span.start}, {span.end}) does not lie on the "
+                    "prompt's image placeholder tokens after the one before it"
+                )
+            end = span.end
 
     def _closed_reason(self) -> str:
         if self._dead is not None:
@@ -742,11 +826,18 @@ class Engine:
             c.cancelled += any(r.finish_reason == "cancelled" for r in req.results)
 
 
-def _extra_keys(salt: str | None, lora: LoraWeights | None) -> ExtraKeys | None:
-    """The salt and the adapter's digest (its weights and config, never its name)."""
-    if not salt and lora is None:
+def _extra_keys(
+    salt: str | None, lora: LoraWeights | None, images: Sequence[ImageSpan] = ()
+) -> ExtraKeys | None:
+    """The salt, the adapter's digest (its weights and config, never its name) and the
+    images' segments (`model.vision.image_segments`)."""
+    if not salt and lora is None and not images:
         return None
-    return ExtraKeys(cache_salt=salt or None, adapter=None if lora is None else lora.digest)
+    return ExtraKeys(
+        cache_salt=salt or None,
+        adapter=None if lora is None else lora.digest,
+        segments=image_segments(images),
+    )
 
 
 def _check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -13,6 +13,7 @@ from pagedkv.cache.leases import LeaseRequest
 from pagedkv.engine.grammar import CompiledGrammar
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.model.lora import LoraWeights
+from pagedkv.model.vision import ImageSpan
 
 
 @dataclass(slots=True)
@@ -88,6 +89,9 @@ class Request:
     lora: LoraWeights | None = None  # the LoRA adapter it runs with, held to its end
     leases: tuple[LeaseRequest, ...] = ()  # granted once the prompt is cached
     leased_tokens: int = 0  # what the grants covered (the longest)
+    # The prompt's images (`model.vision`): their spans are segments of `extra`, and
+    # prompt chunks over their placeholder tokens read their encoder rows.
+    images: tuple[ImageSpan, ...] = ()
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

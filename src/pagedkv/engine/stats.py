@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedkv.cache.prefix import CacheStats
+from pagedkv.model.vision_cache import VisionCacheStats
+
+__all__ = [
+    "Accounting",
+    "EngineStats",
+    "RequestCounters",
+    "RuntimeInfo",
+    "SchedulerStats",
+    "VisionCacheStats",
+]
 
 
 @dataclass(slots=True)
@@ -61,6 +71,8 @@ class EngineStats:
     # The requests' misses by reason, counted when the worker logs each request's
     # attribution (log level debug; `Worker._log_lookup`); empty otherwise.
     request_misses: dict[str, int] = field(default_factory=dict)
+    # A VLM's encoder-row cache (`model.vision_cache`); None for a text model.
+    vision: VisionCacheStats | None = None
 
 
 @dataclass(frozen=True, slots=True)

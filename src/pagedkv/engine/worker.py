@@ -341,7 +341,8 @@ class Worker:
                 last = seq.num_computed + n == len(seq.tokens)
                 prompt = seq.num_computed < seq.num_prompt_tokens
                 lora = seq.request.lora
-                chunks.append(SeqChunk(seq.kv, seq.num_computed, ids, last, prompt, lora))
+                images = seq.request.images if prompt else ()
+                chunks.append(SeqChunk(seq.kv, seq.num_computed, ids, last, prompt, lora, images))
             deterministic = self.scheduler.config.deterministic
             pad = deterministic or any(c.is_prompt for c in chunks)
             logits = self.adapter.forward_batch(

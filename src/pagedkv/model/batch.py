@@ -45,13 +45,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AttentionInterface
 
 from pagedkv.model.kv_format import KVFormat
 from pagedkv.model.lora import LoraWeights
+
+if TYPE_CHECKING:
+    from pagedkv.model.vision import ImageSpan
 
 ATTENTION_NAME = "pagedkv_ragged"
 # Multiple of the CPU flash-attention kernel's key block (512), so a sliding window's
@@ -95,6 +98,9 @@ class SeqChunk:
     prompt: bool = False
     # The LoRA adapter the chunk's rows go through (`model.lora_layers`); None: the base.
     lora: LoraWeights | None = None
+    # The sequence's images (`model.vision`): rows at their placeholder positions read
+    # the image's encoder rows instead of the token's embedding.
+    images: Sequence[ImageSpan] = ()
 
     @property
     def is_prompt(self) -> bool:

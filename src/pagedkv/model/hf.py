@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pagedkv.cache.identity import NAMESPACE_FIELDS, namespace_digest
 from pagedkv.config import DTYPES
-from pagedkv.errors import ModelNotSupportedError, PromptTooLongError
+from pagedkv.errors import ImagePromptError, ModelNotSupportedError, PromptTooLongError
 from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch, ragged_kernel_name
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME
 from pagedkv.model.fingerprint import canonical_config, weights_digest
@@ -39,6 +39,13 @@ from pagedkv.model.lora_layers import LoraLayers, adapter_order, lora_groups, un
 from pagedkv.model.resolve import resolve_model
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
 from pagedkv.model.token_bound import fewest_tokens, max_chars_per_token
+from pagedkv.model.vision import (
+    ImagePrompt,
+    VisionModel,
+    is_vision_config,
+    load_vision_model,
+    placements,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +113,13 @@ class ModelAdapter:
         name: str,
         model_dir: Path | None = None,
         int8_weights: bool = False,
+        processor: Any = None,
     ) -> None:
         self.model = model
+        # A VLM's image side (`model.vision`), given its processor; None: text only.
+        self.vision: VisionModel | None = None
+        if processor is not None:
+            self.vision = VisionModel(model, processor)
         self.tokenizer = tokenizer
         # The most input characters one token covers, where provable (None: unknown).
         self.max_token_chars = max_chars_per_token(tokenizer)
@@ -342,9 +354,13 @@ class ModelAdapter:
             return reason
         ids = [(7 * i + 3) % self.vocab_size for i in range(12)]
         want, _ = self.forward(ids)
-        own = self.config._attn_implementation
+        own: str | dict[str, str] = self.config._attn_implementation
+        ragged: str | dict[str, str] = ATTENTION_NAME
+        if self.vision is not None:  # the language model only: the encoder keeps its own
+            own = {"text_config": self.config.get_text_config(decoder=True)._attn_implementation}
+            ragged = {"text_config": ATTENTION_NAME}
         try:
-            self.model.set_attn_implementation(ATTENTION_NAME)
+            self.model.set_attn_implementation(ragged)
             got = self.forward_batch([SeqChunk(self.new_kv_buffer(len(ids)), 0, ids, True)])[0]
         except Exception as exc:  # an attention module that passes what ragged lacks
             self.model.set_attn_implementation(own)
@@ -395,9 +411,14 @@ class ModelAdapter:
             lengths = [len(c.token_ids) for c in chunks]
             loras = [c.lora for c in chunks]
             groups = lora_groups(loras, plan.offsets, lengths, self.device)
+        placed = placements(chunks, plan.offsets) if self.vision is not None else []
         with torch.inference_mode(), self.lora_layers.route(groups):
+            inputs = {"input_ids": ids}
+            if placed:
+                assert self.vision is not None
+                inputs = {"inputs_embeds": self.vision.embed(ids, placed)}
             out = self.model(
-                input_ids=ids,
+                **inputs,
                 position_ids=positions,
                 use_cache=False,
                 logits_to_keep=keep,
@@ -484,6 +505,14 @@ class ModelAdapter:
         """Token ids of a conversation in the model's chat template, generation prompt
         added unless asked not to; refused before tokenizing when the rendered text
         cannot fit `max_tokens` tokens."""
+        if self.vision is not None:
+            prompt = self.render_chat(messages, add_generation_prompt, max_tokens, **kwargs)
+            if prompt.images:
+                raise ImagePromptError(
+                    "this path renders text only; send a conversation with images "
+                    "through render_chat, which returns their spans"
+                )
+            return prompt.token_ids
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ModelNotSupportedError(
                 f"model {self.name} has no chat template; send plain text prompts instead"
@@ -496,6 +525,25 @@ class ModelAdapter:
         self.check_length(text, max_tokens)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids]
+
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> ImagePrompt:
+        """A conversation whose messages may hold image parts, through the processor
+        (`VisionModel.render`): ids with each image's placeholder tokens, and the
+        images' spans. A model without images refuses image parts."""
+        if self.vision is None:
+            raise ImagePromptError(f"model {self.name} takes no images; send text content only")
+        return self.vision.render(
+            messages,
+            add_generation_prompt,
+            check=lambda text: self.check_length(text, max_tokens),
+            **kwargs,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -544,6 +592,31 @@ def load_model(
     resolved = resolve_model(name_or_path)
     directory, name = resolved.directory, resolved.name
     model: Any
+    processor: Any = None
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (ValueError, OSError, KeyError):
+        config = None  # the loader below says what is wrong
+    if config is not None and is_vision_config(config):
+        model, processor = load_vision_model(directory, torch_dtype)
+        tokenizer = processor.tokenizer
+    else:
+        model, tokenizer = _load_causal_lm(directory, torch_dtype, text)
+    model.to(target)
+    model.eval()
+    adapter = ModelAdapter(
+        model,
+        tokenizer,
+        name=name,
+        model_dir=directory,
+        int8_weights=dtype == "int8",
+        processor=processor,
+    )
+    logger.info("loaded %r", adapter)
+    return adapter
+
+
+def _load_causal_lm(directory: Path, torch_dtype: torch.dtype, text: str) -> tuple[Any, Any]:
     try:
         model = AutoModelForCausalLM.from_pretrained(
             directory, dtype=torch_dtype, local_files_only=True
@@ -553,10 +626,4 @@ def load_model(
         raise ModelNotSupportedError(
             f"cannot load {text!r} as a transformers causal LM with its tokenizer: {exc}"
         ) from exc
-    model.to(target)
-    model.eval()
-    adapter = ModelAdapter(
-        model, tokenizer, name=name, model_dir=directory, int8_weights=dtype == "int8"
-    )
-    logger.info("loaded %r", adapter)
-    return adapter
+    return model, tokenizer

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from anyio import to_thread
 from fastapi import FastAPI, Request
@@ -34,11 +34,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedkv.cache.leases import LeaseRequest
 from pagedkv.engine.request import StreamEvent
-from pagedkv.errors import PromptTooLongError
+from pagedkv.errors import ImagePromptError, PromptTooLongError
+from pagedkv.model.vision import ImagePrompt
 from pagedkv.server.adapters import ModelNames, add_adapter_routes
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
+from pagedkv.server.chat_images import chat_renderer, template_ids, text_only
 from pagedkv.server.dashboard import Dashboard, add_dashboard_routes
 from pagedkv.server.drift import RenderMemory
 from pagedkv.server.engine_api import EngineAPI
@@ -90,6 +92,7 @@ from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import template_tools, tool_mode
 from pagedkv.server.unknown_fields import refuse_unknown_fields
 
+_T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -201,8 +204,11 @@ def create_app(
         arrived: float,
         held: ShareHeld,
         tools: ToolMode | None = None,
+        images: Sequence[Any] = (),
     ) -> Response:
-        gen = await start_generation(request, body, ids, tenant, arrived, held, tools)
+        gen = await start_generation(
+            request, body, ids, tenant, arrived, held, tools, images=images
+        )
         if not body.stream:
             return JSONResponse(await gen.response_body())
         return StreamingResponse(
@@ -220,10 +226,11 @@ def create_app(
         held: ShareHeld,
         tools: ToolMode | None = None,
         leases: Sequence[LeaseRequest] = (),
+        images: Sequence[Any] = (),
     ) -> Generation:
         """Submit the request; returns once its first event (or its refusal) arrived.
         `held` is the key's share the request took (`admit`); the generation gives it
-        back when it closes."""
+        back when it closes. `images`: the prompt's image spans (`Engine.render_chat`)."""
         chat = isinstance(body, ChatCompletionRequest)
         param = "messages" if chat else "prompt"
         max_tokens = max_new_tokens(body, len(ids), engine.max_context, param)
@@ -258,6 +265,8 @@ def create_app(
                 more["lora"] = lora
             if leases:
                 more["leases"] = leases
+            if images:
+                more["images"] = images
             return engine.stream(ids, params, cache_salt=salt, owner=tenant.salt, **more)
 
         def on_close(gen: Generation) -> None:
@@ -269,7 +278,9 @@ def create_app(
                 state.dashboard.finished(REQUEST_ID.get(), tenant.label, results)
             # The next turn's form is stored with the base model's weights: an adapter's
             # turn is left to its next request (its KV would be keyed to the base).
-            turn = gen.done and len(results) == 1 and lora is None
+            # A turn with images is left to its next request too: the next-turn render
+            # (`AfterTurn`) carries no images.
+            turn = gen.done and len(results) == 1 and lora is None and not images
             if isinstance(body, ChatCompletionRequest) and turn:
                 message = history_message(results[0], tools)
                 after_turn.finished(body, ids, results[0], message, salt, tenant.salt)
@@ -354,12 +365,14 @@ def create_app(
         held = admit(tenant, body.n)
         with held.released_on_error():
             if isinstance(prompt, str):
-                ids = await _blocking(
-                    functools.partial(engine.tokenize, max_tokens=engine.max_context),
-                    prompt,
-                    what="the tokenizer",
-                    pool=state.render,
-                    owner=tenant.salt,
+                ids = list(
+                    await _blocking(
+                        functools.partial(engine.tokenize, max_tokens=engine.max_context),
+                        prompt,
+                        what="the tokenizer",
+                        pool=state.render,
+                        owner=tenant.salt,
+                    )
                 )
             else:
                 check_token_ids(prompt, state.vocab_size, "prompt")
@@ -376,8 +389,10 @@ def create_app(
         check_supported(body)
         held = admit(tenant, body.n)
         with held.released_on_error():
-            ids, mode = await chat_prompt(body, tenant, remember=True)
-            return await generate(request, body, ids, tenant, arrived, held, mode)
+            prompt, mode = await chat_render(body, tenant, remember=True)
+            return await generate(
+                request, body, prompt.token_ids, tenant, arrived, held, mode, prompt.images
+            )
 
     def admit(tenant: Tenant, n: int) -> ShareHeld:
         """Take `n` sequences of the key's share, before any tokenizing or templating:
@@ -397,21 +412,27 @@ def create_app(
     async def chat_prompt(
         body: ChatCompletionRequest, tenant: Tenant, remember: bool = False
     ) -> tuple[list[int], ToolMode | None]:
-        """The prompt's token ids (tools rendered by the template), and how to parse the reply.
-        Callers hold the key's share (`admit`). `remember`: a generating request's render,
-        kept for explain's `template_drift` (`Explainer.remember`)."""
+        """`chat_render` for a route that carries no images: one holding images is a 400."""
+        prompt, mode = await chat_render(body, tenant, remember)
+        return text_only(prompt, "this route"), mode
+
+    async def chat_render(
+        body: ChatCompletionRequest, tenant: Tenant, remember: bool = False
+    ) -> tuple[ImagePrompt, ToolMode | None]:
+        """The prompt's token ids (tools rendered by the template) with its images' spans,
+        and how to parse the reply. Callers hold the key's share (`admit`). `remember`: a
+        generating request's render, kept for explain's `template_drift`
+        (`Explainer.remember`)."""
         mode = tool_mode(body, state.tools)
         await check_images(body, tenant)
         messages = chat_messages(body)
-        render = functools.partial(
-            engine.apply_chat_template, tools=template_tools(body), max_tokens=engine.max_context
-        )
+        render = chat_renderer(engine, template_tools(body), engine.max_context)
         if remember:  # on the same thread, right after the render: no second hand-off
             render = functools.partial(_render_and_remember, render, explainer, body, tenant)
-        ids = await _blocking(
+        prompt = await _blocking(
             render, messages, what="the chat template", pool=state.render, owner=tenant.salt
         )
-        return ids, mode
+        return prompt, mode
 
     async def check_images(body: ChatCompletionRequest, tenant: Tenant) -> None:
         """Decode the request's images onto their parts; then refuse them if the model
@@ -488,13 +509,14 @@ def create_app(
             model_name=state.model_name,
             check_open=check_open,
             chat_prompt=chat_prompt,
+            chat_render=chat_render,
             prompt_only=prompt_only,
             admit=admit,
             start_generation=start_generation,
             decode=engine.decode,
             block_size=stats.cache.block_size if stats.cache is not None else None,
             explain=explainer.explain,
-            render=engine.apply_chat_template,
+            render=template_ids(engine),
         ),
     )
     blocking = functools.partial(_blocking, pool=state.render)
@@ -531,28 +553,30 @@ def _document_errors(app: FastAPI) -> None:
 
 
 def _render_and_remember(
-    render: Callable[[list[dict[str, Any]]], list[int]],
+    render: Callable[[list[dict[str, Any]]], ImagePrompt],
     explainer: Explainer,
     body: ChatCompletionRequest,
     tenant: Tenant,
     messages: list[dict[str, Any]],
-) -> list[int]:
-    ids = render(messages)
-    explainer.remember(body, tenant, ids)
-    return ids
+) -> ImagePrompt:
+    prompt = render(messages)
+    explainer.remember(body, tenant, prompt.token_ids)
+    return prompt
 
 
 async def _blocking(
-    fn: Any, arg: Any, *, what: str, pool: RenderPool, owner: str | None
-) -> list[int]:
+    fn: Callable[[Any], _T], arg: Any, *, what: str, pool: RenderPool, owner: str | None
+) -> _T:
     """Run a tokenizer call on the render pool; its refusals of the input are 400s. Only
     a chat template's own `raise_exception()` message (the model author's words about
-    the messages) reaches the client; the tokenizer's and jinja2's own texts can
-    name internals and go to the log."""
+    the messages) and our own words about images reach the client; the tokenizer's and
+    jinja2's own texts can name internals and go to the log."""
     try:
-        return list(await pool.run(owner, fn, arg))
+        return await pool.run(owner, fn, arg)
     except PromptTooLongError as exc:  # our words: how long, and the context
         raise APIError(400, str(exc), param="messages", code="context_length_exceeded") from exc
+    except ImagePromptError as exc:  # our words: the images do not fit the model
+        raise bad_request(str(exc), "messages", code="invalid_image_prompt") from exc
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise hidden_error(400, f"{what} could not encode the input", exc) from exc
     except Exception as exc:

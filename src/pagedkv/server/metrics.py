@@ -33,7 +33,7 @@ from prometheus_client.registry import Collector
 
 from pagedkv.cache.explain import REASONS
 from pagedkv.cache.pool import PoolStats
-from pagedkv.engine.stats import EngineStats
+from pagedkv.engine.stats import EngineStats, VisionCacheStats
 from pagedkv.storage.base import TierStats
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,8 @@ class _CacheCollector(Collector):
         if stats.cache is not None:
             yield from _tier_metrics(stats.cache.tiers)
             yield from _pool_metrics(stats.cache.pool)
+        if stats.vision is not None:
+            yield from _vision_metrics(stats.vision)
 
 
 def _miss_metrics(explained: dict[str, int], requests: dict[str, int]) -> Metric:
@@ -188,6 +190,8 @@ def stats_json(stats: EngineStats) -> dict[str, Any]:
     }
     if stats.scheduling is not None:
         out["scheduling"] = dataclasses.asdict(stats.scheduling)
+    if stats.vision is not None:
+        out["vision_cache"] = dataclasses.asdict(stats.vision)
     if stats.cache is not None:
         cache = stats.cache
         out.update(
@@ -198,6 +202,21 @@ def stats_json(stats: EngineStats) -> dict[str, Any]:
             tiers={name: dataclasses.asdict(tier) for name, tier in cache.tiers.items()},
         )
     return out
+
+
+def _vision_metrics(vision: VisionCacheStats) -> Iterator[Metric]:
+    for field in ("hits", "misses", "encoder_calls"):
+        yield CounterMetricFamily(
+            f"pagedkv_vision_cache_{field}",
+            f"Image encoder-row cache {field.replace('_', ' ')} since start",
+            value=float(getattr(vision, field)),
+        )
+    for field in ("bytes", "capacity_bytes", "entries"):
+        yield GaugeMetricFamily(
+            f"pagedkv_vision_cache_{field}",
+            f"Image encoder-row cache {field.replace('_', ' ')} now",
+            value=float(getattr(vision, field)),
+        )
 
 
 def _tier_metrics(tiers: dict[str, TierStats]) -> Iterator[Metric]:

@@ -19,6 +19,7 @@ from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedkv.model.vision import ImagePrompt
 from pagedkv.server.anthropic.breakpoints import breakpoints, lease_requests
 from pagedkv.server.anthropic.convert import chat_origins, to_chat_request
 from pagedkv.server.anthropic.explain import (
@@ -59,6 +60,9 @@ STREAMS: dict[int | str, dict[str, Any]] = {
 ChatPrompt = Callable[
     [ChatCompletionRequest, Tenant, bool], Awaitable[tuple[list[int], ToolMode | None]]
 ]
+ChatRender = Callable[
+    [ChatCompletionRequest, Tenant, bool], Awaitable[tuple[ImagePrompt, ToolMode | None]]
+]
 PromptOnly = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
 StartGeneration = Callable[..., Awaitable[Generation]]
 Explain = Callable[[ChatCompletionRequest, Tenant, SectionMap], Awaitable[dict[str, Any]]]
@@ -69,6 +73,7 @@ class MessagesContext:
     model_name: str
     check_open: Callable[[str | None], None]
     chat_prompt: ChatPrompt  # the caller holds the key's share
+    chat_render: ChatRender  # as chat_prompt, with the images' spans (`server/chat_images.py`)
     prompt_only: PromptOnly  # takes the share itself; refuses prompts past the context
     admit: Callable[[Tenant, int], ShareHeld]
     start_generation: StartGeneration  # (request, body, ids, tenant, arrived, held, tools)
@@ -89,7 +94,8 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
         held = ctx.admit(tenant, 1)
         with held.released_on_error():
             chat = to_chat_request(body)
-            ids, mode = await ctx.chat_prompt(chat, tenant, True)
+            prompt, mode = await ctx.chat_render(chat, tenant, True)
+            ids = prompt.token_ids
             leases = []
             if points and ctx.block_size:
                 find = functools.partial(
@@ -98,8 +104,9 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
                 )  # fmt: skip
                 leases = await to_thread.run_sync(find)
             gen = await ctx.start_generation(
-                request, chat, ids, tenant, arrived, held, mode, leases=leases
-            )
+                request, chat, ids, tenant, arrived, held, mode, leases=leases,
+                images=prompt.images,
+            )  # fmt: skip
         options = ReplyOptions(
             model=ctx.model_name,
             tools=mode,

@@ -1,0 +1,103 @@
+"""A tiny random LLaVA (CLIP vision tower, Llama language model), built in the test run.
+
+`make_tiny_llava(path, seed=0)` writes a LlavaForConditionalGeneration whose vision
+tower sees 32x32 images in 8x8 patches (16 placeholder tokens per image), a projector
+to the 64-wide, 2-layer Llama of `fixtures_models`, the tiny byte-level tokenizer with
+an `<image>` token, a CLIP image processor (PIL backend) and a chat template that reads
+list content, to `path`. Nothing downloads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fixtures_models import _scale_init, make_tiny_tokenizer
+
+__all__ = [
+    "IMAGE_TOKENS",
+    "VISION_CHAT_TEMPLATE",
+    "make_tiny_llava",
+    "tiny_image",
+    "tiny_llava_dir",
+]
+
+IMAGE_SIZE, PATCH = 32, 8
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2  # the CLS row is dropped ("default" strategy)
+
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_llava(path: str | Path, seed: int = 0) -> Path:
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer(add_bos=True, chat_template=VISION_CHAT_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32,
+    )  # fmt: skip
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=bos,
+    )  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_id,
+        vision_feature_select_strategy="default", vision_feature_layer=-1,
+        image_seq_length=IMAGE_TOKENS,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    _scale_init(model, seed)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=bos)
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    processor = LlavaProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=VISION_CHAT_TEMPLATE, image_token="<image>",
+    )  # fmt: skip
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def tiny_image(seed: int, size: tuple[int, int] = (40, 36)) -> Any:
+    """An ImageInput of random pixels (`size` is width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    from pagedkv.model.images import image_from_pixels
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return image_from_pixels(Image.fromarray(pixels))
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny LLaVA with its processor (16 placeholder tokens per image)."""
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny-llava") / "model")
