@@ -7,6 +7,8 @@ from typing import Any
 
 from server_fake_engine import FakeEngine
 
+from pagedkv.model.vision import ImagePrompt
+
 
 class ImageEngine(FakeEngine):
     """A fake whose model takes images; it keeps the messages each render was given."""
@@ -28,6 +30,13 @@ class ImageEngine(FakeEngine):
             for m in messages
         ]
         return super().apply_chat_template(flat, *args, **kwargs)
+
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], tools: Any = None, **kwargs: Any
+    ) -> ImagePrompt:
+        """As the engine's: the ids (here, of the flattened text); no spans, so the fake's
+        stream is asked as for text."""
+        return ImagePrompt(self.apply_chat_template(messages, tools=tools, **kwargs))
 
 
 def image_parts_of(engine: ImageEngine) -> list[dict[str, Any]]:

@@ -14,7 +14,8 @@ from starlette.testclient import TestClient
 
 from pagedkv.model.images import ImageInput, image_from_pixels
 from pagedkv.server.app import create_app
-from pagedkv.server.images import ImageLimits, decode_image, model_takes_images
+from pagedkv.server.chat_images import takes_images
+from pagedkv.server.images import ImageLimits, decode_image
 
 PNG = encode(pixels(), "PNG")
 ANTHROPIC = {"anthropic-version": "2023-06-01"}
@@ -117,7 +118,7 @@ def test_the_byte_cap_is_checked_on_the_base64_before_decoding() -> None:
 
 
 def test_a_model_without_images_refuses_them_after_checking_them() -> None:
-    assert not model_takes_images(FakeEngine()) and model_takes_images(ImageEngine())
+    assert not takes_images(FakeEngine()) and takes_images(ImageEngine())
     c = client()
     r = c.post("/v1/chat/completions", json=openai_parts(text("a"), image_url(data_url(PNG))))
     error = r.json()["error"]

@@ -40,7 +40,7 @@ from pagedkv.server.adapters import ModelNames, add_adapter_routes
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
-from pagedkv.server.chat_images import chat_renderer, template_ids, text_only
+from pagedkv.server.chat_images import chat_renderer, takes_images, template_ids, text_only
 from pagedkv.server.dashboard import Dashboard, add_dashboard_routes
 from pagedkv.server.drift import RenderMemory
 from pagedkv.server.engine_api import EngineAPI
@@ -54,7 +54,7 @@ from pagedkv.server.http_errors import (
     hidden_error,
     shutting_down,
 )
-from pagedkv.server.images import ImageLimits, attach_images, model_takes_images
+from pagedkv.server.images import ImageLimits, attach_images
 from pagedkv.server.leases import add_lease_routes, openai_leases
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
@@ -437,7 +437,7 @@ def create_app(
     async def check_images(body: ChatCompletionRequest, tenant: Tenant) -> None:
         """Decode the request's images onto their parts; then refuse them if the model
         takes none (after the checks, so a bad image gets its own 400 either way)."""
-        takes = model_takes_images(engine)
+        takes = takes_images(engine)
         found = await attach_images(body, state.images, state.render, tenant.salt, keep=takes)
         if found and not takes:
             raise bad_request(

@@ -3,7 +3,7 @@
 from pagedkv.server.images.decode import decode_image
 from pagedkv.server.images.fetch import fetch_image, public_address
 from pagedkv.server.images.limits import ImageLimits
-from pagedkv.server.images.request import attach_images, image_content, model_takes_images
+from pagedkv.server.images.request import attach_images, image_content
 
 __all__ = [
     "ImageLimits",
@@ -11,6 +11,5 @@ __all__ = [
     "decode_image",
     "fetch_image",
     "image_content",
-    "model_takes_images",
     "public_address",
 ]

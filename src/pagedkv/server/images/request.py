@@ -26,14 +26,6 @@ from pagedkv.server.render_pool import RenderPool
 IMAGE_PART = "image_url"
 
 
-def model_takes_images(engine: object) -> bool:
-    """Whether the served model renders images: the one point the model side wires
-    up (issue 32). An engine whose model takes images sets `takes_images = True`;
-    none does yet, so every request holding an image is refused after its images
-    were checked."""
-    return getattr(engine, "takes_images", False) is True
-
-
 def part_param(part: ContentPart, i: int, j: int) -> str:
     """The field holding the image's URL or data, as the client sent it."""
     return part.source_param or f"messages[{i}].content[{j}].image_url.url"
