@@ -710,6 +710,13 @@ class Engine:
                     f"an image span [{span.start}, {span.end}) does not lie on the "
                     "prompt's image placeholder tokens after the one before it"
                 )
+            if span.bidirectional != vision.bidirectional:
+                raise ImagePromptError(
+                    f"an image span [{span.start}, {span.end}) says its tokens attend "
+                    f"{'both ways' if span.bidirectional else 'causally'}, and "
+                    f"{self.model_name}'s attend {'both ways' if vision.bidirectional else 'causally'}:"
+                    " render the prompt with this engine's render_chat"
+                )
             end = span.end
 
     def _closed_reason(self) -> str:
