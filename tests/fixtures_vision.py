@@ -17,11 +17,11 @@ from fixtures_models import _scale_init, make_tiny_tokenizer
 __all__ = [
     "GEMMA_IMAGE_TOKENS",
     "GEMMA_WINDOW",
-    "make_tiny_gemma3",
-    "tiny_gemma3_dir",
     "IMAGE_TOKENS",
     "VISION_CHAT_TEMPLATE",
+    "make_tiny_gemma3",
     "make_tiny_llava",
+    "tiny_gemma3_dir",
     "tiny_image",
     "tiny_llava_dir",
 ]

@@ -135,9 +135,7 @@ def test_a_restored_prefix_ending_inside_an_image_is_exact(adapter: ModelAdapter
         bad = adapter.new_kv_buffer(len(ids))
         causal = [ImageSpan(s.start, s.end, s.key, s.pixels) for s in images]
         adapter.forward_batch([SeqChunk(bad, 0, ids[:cut], False, images=causal)])
-        wrong = adapter.forward_batch(
-            [SeqChunk(bad, cut, ids[cut:], True, True, images=images)]
-        )
+        wrong = adapter.forward_batch([SeqChunk(bad, cut, ids[cut:], True, True, images=images)])
         assert not torch.allclose(wrong[0], whole, atol=1e-3), cut
 
 

@@ -711,11 +711,14 @@ class Engine:
                     "prompt's image placeholder tokens after the one before it"
                 )
             if span.bidirectional != vision.bidirectional:
+                said, want = (
+                    "both ways" if b else "causally"
+                    for b in (span.bidirectional, vision.bidirectional)
+                )
                 raise ImagePromptError(
                     f"an image span [{span.start}, {span.end}) says its tokens attend "
-                    f"{'both ways' if span.bidirectional else 'causally'}, and "
-                    f"{self.model_name}'s attend {'both ways' if vision.bidirectional else 'causally'}:"
-                    " render the prompt with this engine's render_chat"
+                    f"{said}, and {self.model_name}'s attend {want}: render the prompt "
+                    "with this engine's render_chat"
                 )
             end = span.end
 
