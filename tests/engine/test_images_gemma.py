@@ -53,7 +53,7 @@ def _turns() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def fresh(tiny_gemma3_dir: Path) -> Any:
-    """The answers of an engine without prefix caching, by a key of the test's own."""
+    """An engine without prefix caching: the fresh answers, shared by the tests."""
     with Engine.from_pretrained(str(tiny_gemma3_dir), config=_off()) as off:
         yield off
 
