@@ -13,7 +13,7 @@ import pytest
 from engine_helpers import BS, GREEDY
 from fixtures_vision import GEMMA_IMAGE_TOKENS, tiny_image
 
-from pagedkv import CacheConfig, Engine
+from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.errors import ImagePromptError
 
@@ -156,3 +156,23 @@ def test_spans_of_another_attention_are_refused(fresh: Engine) -> None:
     causal = [type(s)(s.start, s.end, s.key, s.pixels) for s in ours.images]
     with pytest.raises(ImagePromptError, match="attend causally"):
         fresh.generate(ours.token_ids, GREEDY, images=causal)
+
+
+def test_preempted_image_requests_stay_exact(tiny_gemma3_dir: Path, fresh: Engine) -> None:
+    """A KV budget too small for three image requests at once, in 12-token chunks: the
+    preempted ones resume from the cache with their images whole and equal their
+    answers alone."""
+    params = SamplingParams(max_tokens=300, ignore_eos=True)  # past the first 256 reserved
+    prompts = [_prompt(fresh, tiny_image(30 + i), text=f"Picture {i}: ") for i in range(3)]
+    alone = [fresh.stream(p.token_ids, params, images=p.images) for p in prompts]
+    want = [[t for e in s for t in e.token_ids] for s in alone]  # batched: equal alone
+    longest = max(len(p.token_ids) for p in prompts)
+    budget = (2 * (longest + 256) + 40) * fresh.adapter.kv_bytes_per_token
+    cfg = CacheConfig(block_size=BS, kv_budget_bytes=budget)
+    small = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=12)
+    with Engine.from_pretrained(str(tiny_gemma3_dir), config=cfg, scheduling=small) as eng:
+        streams = [eng.stream(p.token_ids, params, images=p.images) for p in prompts]
+        got = [[t for e in s for t in e.token_ids] for s in streams]
+        stats = eng.cache_stats().scheduling
+    assert got == want
+    assert stats is not None and stats.preemptions > 0, "the budget never ran short"
