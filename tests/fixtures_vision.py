@@ -15,9 +15,13 @@ import pytest
 from fixtures_models import _scale_init, make_tiny_tokenizer
 
 __all__ = [
+    "GEMMA_IMAGE_TOKENS",
+    "GEMMA_WINDOW",
     "IMAGE_TOKENS",
     "VISION_CHAT_TEMPLATE",
+    "make_tiny_gemma3",
     "make_tiny_llava",
+    "tiny_gemma3_dir",
     "tiny_image",
     "tiny_llava_dir",
 ]
@@ -101,3 +105,88 @@ def tiny_image(seed: int, size: tuple[int, int] = (40, 36)) -> Any:
 def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny LLaVA with its processor (16 placeholder tokens per image)."""
     return make_tiny_llava(tmp_path_factory.mktemp("tiny-llava") / "model")
+
+
+# ---- Gemma 3 -------------------------------------------------------------------
+
+GEMMA_IMAGE_TOKENS = 16  # 4x4 patches of a 32x32 image, pooled 1:1 (mm_tokens_per_image)
+# Shorter than every image prompt, so the sliding layers drop keys the global one keeps.
+GEMMA_WINDOW = 12
+
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}<start_of_turn>{{ message['role'] }}\n"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def make_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
+    """A Gemma3ForConditionalGeneration: a 2-layer SigLIP tower on 32x32 images in 8x8
+    patches (16 image tokens), a 4-layer Gemma 3 text model (3 sliding layers of window
+    `GEMMA_WINDOW`, then a global one), begin/end-of-image tokens around each image's
+    run, the Gemma 3 processor with pan-and-scan off, and a Gemma-style chat template."""
+    import torch
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        GenerationConfig,
+        SiglipVisionConfig,
+    )
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil,
+    )
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer(add_bos=True, chat_template=GEMMA_CHAT_TEMPLATE)
+    marks = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+             "image_token": "<image_soft_token>"}  # fmt: skip
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [*marks.values(), "<start_of_turn>", "<end_of_turn>"]}
+    )
+    tokenizer._set_model_specific_special_tokens(marks)  # boi_token, ... and their ids
+    image_id = tokenizer.convert_tokens_to_ids(marks["image_token"])
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=IMAGE_SIZE, patch_size=PATCH, vision_use_head=False,
+    )  # fmt: skip
+    text = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        query_pre_attn_scalar=16, sliding_window=GEMMA_WINDOW, sliding_window_pattern=4,
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=bos,
+    )  # fmt: skip
+    config = Gemma3Config(
+        vision_config=vision.to_dict(), text_config=text.to_dict(),
+        mm_tokens_per_image=GEMMA_IMAGE_TOKENS, image_token_index=image_id,
+        boi_token_index=tokenizer.convert_tokens_to_ids(marks["boi_token"]),
+        eoi_token_index=tokenizer.convert_tokens_to_ids(marks["eoi_token"]),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).to(torch.float32)
+    _scale_init(model, seed)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=bos)
+    images = Gemma3ImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, do_pan_and_scan=False
+    )
+    processor = Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, chat_template=GEMMA_CHAT_TEMPLATE,
+        image_seq_length=GEMMA_IMAGE_TOKENS,
+    )  # fmt: skip
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Gemma 3 VLM with its processor (16 image tokens per image, sliding
+    window 12)."""
+    return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3") / "model")

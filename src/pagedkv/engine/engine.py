@@ -710,6 +710,16 @@ class Engine:
                     f"an image span [{span.start}, {span.end}) does not lie on the "
                     "prompt's image placeholder tokens after the one before it"
                 )
+            if span.bidirectional != vision.bidirectional:
+                said, want = (
+                    "both ways" if b else "causally"
+                    for b in (span.bidirectional, vision.bidirectional)
+                )
+                raise ImagePromptError(
+                    f"an image span [{span.start}, {span.end}) says its tokens attend "
+                    f"{said}, and {self.model_name}'s attend {want}: render the prompt "
+                    "with this engine's render_chat"
+                )
             end = span.end
 
     def _closed_reason(self) -> str:

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from pagedkv.engine.sequence import Sequence
+from pagedkv.model.vision import whole_image_take
 
 # KV reserved beyond the prompt at admission, and added each time a sequence outgrows
 # its buffer (or half its capacity, when that is more): the first answer tokens never
@@ -297,17 +298,20 @@ class Scheduler:
                 prefilling.append(seq)
         if self.config.deterministic:
             prefilling.sort(key=lambda s: s.request.background)  # stable: oldest first
+            whole = False  # a chunk stretched over an image ran this step
             for seq in prefilling:
-                take = min(seq.num_pending, self.config.prefill_chunk)
-                if take > budget:
+                chunk = min(seq.num_pending, self.config.prefill_chunk)
+                take = _whole_images(seq, chunk)
+                if take > budget and (take <= chunk or whole):
                     continue  # never cut a chunk where another batch would not
+                whole |= take > chunk
                 work.append((seq, take))
                 budget -= take
             return work
         clients = [s for s in prefilling if not s.request.background]
         parts = _fair_parts(clients, budget)
         for seq in clients:
-            take = min(seq.num_pending, parts.get(_owner(seq), 0))
+            take = _whole_images(seq, min(seq.num_pending, parts.get(_owner(seq), 0)))
             if take <= 0:
                 continue
             work.append((seq, take))
@@ -315,6 +319,7 @@ class Scheduler:
             budget -= take
         for seq in prefilling:  # background prefill: what the clients left, oldest first
             take = min(seq.num_pending, budget) if seq.request.background else 0
+            take = _whole_images(seq, take) if take > 0 else 0
             if take > 0:
                 work.append((seq, take))
                 budget -= take
@@ -335,6 +340,16 @@ def _fair_parts(prefilling: list[Sequence], budget: int) -> dict[str, int]:
         parts[owner] = min(wanted, share)
         left -= parts[owner]
     return parts  # the owner needing most took the rounding: what is left, nobody needs
+
+
+def _whole_images(seq: Sequence, take: int) -> int:
+    """`take` moved off the inside of an image whose tokens attend both ways (Gemma 3):
+    back to the image's start, or past the budget to its end when the chunk would
+    otherwise compute nothing (`model.vision.whole_image_take`)."""
+    images = seq.request.images
+    if not images or take <= 0:
+        return take
+    return whole_image_take(seq.num_computed, take, images)
 
 
 def _owner(seq: Sequence) -> str:

@@ -214,6 +214,15 @@ def _span(
         pos = (start + rows).unsqueeze(1)
         kpos = torch.arange(low, low + padded, device=device).unsqueeze(0)
         seen = kpos <= pos  # also hides the padding keys, all past the chunk's end
+        for image in chunk.images:  # Gemma 3: an image's rows see all of its keys
+            if image.bidirectional and image.start < end and start < image.end:
+                if image.start < end < image.end:
+                    raise ValueError(
+                        f"a prompt chunk [{start}, {end}) ends inside the image "
+                        f"[{image.start}, {image.end}), whose tokens attend both ways; "
+                        "plan chunks with model.vision.whole_image_take"
+                    )
+                seen |= _inside(pos, image) & _inside(kpos, image)
         if window is not None:
             seen &= kpos > pos - window
         return _Span(first, n, low, seen, *views, rows=first + rows, padded_keys=padded)
@@ -225,6 +234,10 @@ def _span(
         if window is not None:
             mask &= kpos > pos - window
     return _Span(first, n, low, mask, *views)
+
+
+def _inside(positions: torch.Tensor, image: ImageSpan) -> torch.Tensor:
+    return (positions >= image.start) & (positions < image.end)
 
 
 def ragged_attention(

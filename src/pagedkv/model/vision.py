@@ -17,10 +17,12 @@ through the ragged batch like any text model; this module adds what images need:
   with those rows replaced by the image's encoder rows (a chunk may start inside an
   image: the rows are sliced at its offset). Encoder rows come from the `VisionCache`.
 
-Only 1-D-position, causal models whose placeholder tokens each take one encoder row in
-order (LLaVA) are served: a prefix cached up to any token inside an image then holds
-exactly the KV a fresh prompt computes there. Gemma 3 (image tokens attend to each other
-both ways) and Qwen2-VL (M-RoPE positions) need more; docs/architecture.md, "Images".
+Served: 1-D-position models whose placeholder tokens each take one encoder row in
+order. LLaVA's image tokens attend causally; Gemma 3's attend to each other both ways
+(`ImageSpan.bidirectional`, `images_attend_both_ways`): the ragged batch's prompt mask
+lets an image's rows see all of its keys, and no prefill chunk ends inside such an image
+(`whole_image_take`). Qwen2-VL (M-RoPE positions) needs more; docs/architecture.md,
+"Images".
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ from pagedkv.model.images import ImageInput
 from pagedkv.model.vision_cache import DEFAULT_VISION_CACHE_BYTES, VisionCache
 
 # Model types whose image tokens pagedkv serves (see the module docstring).
-VISION_FAMILIES = frozenset({"llava"})
+VISION_FAMILIES = frozenset({"llava", "gemma3"})
+# Families whose image tokens attend to each other both ways (transformers builds their
+# mask from `token_type_ids`: causal, or-ed with "same run of image tokens").
+_BIDIRECTIONAL_FAMILIES = frozenset({"gemma3"})
 _KEY_TAG = b"pagedkv-image-key-v1\x00"
 _SEGMENT_TAG = b"pagedkv-image-segments-v1\x00"
 # Processor fields that never change an image's tokens or rows.
@@ -57,6 +62,9 @@ class ImageSpan:
     end: int
     key: bytes
     pixels: torch.Tensor
+    # The image's tokens attend to each other both ways (Gemma 3): a prefill chunk must
+    # never end inside it, and its rows see its keys past their own position.
+    bidirectional: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +85,25 @@ def is_vision_config(config: Any) -> bool:
         getattr(config, "vision_config", None) is not None
         and getattr(config, "model_type", None) in VISION_FAMILIES
     )
+
+
+def images_attend_both_ways(config: Any) -> bool:
+    """Whether a VLM's image tokens attend to each other both ways (Gemma 3), read from
+    its model type: transformers' Gemma 3 ors the causal mask with "same run of image
+    tokens" in every layer, sliding ones included (there the window still applies)."""
+    return getattr(config, "model_type", None) in _BIDIRECTIONAL_FAMILIES
+
+
+def whole_image_take(start: int, take: int, images: Sequence[ImageSpan]) -> int:
+    """How many of `take` tokens from `start` a prefill chunk computes so that it never
+    ends inside an image whose tokens attend both ways: the chunk stops at the image's
+    start, or when it would then compute nothing, runs past the budget to the image's
+    end (an image is computed whole; Gemma 3's have 256 tokens)."""
+    end = start + take
+    for span in images:
+        if span.bidirectional and span.start < end < span.end:
+            return span.start - start if span.start > start else span.end - start
+    return take
 
 
 def image_segments(images: Sequence[ImageSpan]) -> tuple[tuple[int, bytes], ...]:
@@ -139,6 +166,13 @@ class VisionModel:
         self.fingerprint = processor_fingerprint(processor)
         self.hidden_size = int(config.get_text_config(decoder=True).hidden_size)
         self.cache = VisionCache(cache_bytes)
+        self.bidirectional = images_attend_both_ways(config)
+        pan_and_scan = getattr(getattr(processor, "image_processor", None), "do_pan_and_scan", None)
+        if pan_and_scan:
+            raise ModelNotSupportedError(
+                f"{type(processor).__name__} has do_pan_and_scan on: its crops add images "
+                "of their own to a prompt; set it false in preprocessor_config.json"
+            )
 
     def image_key(self, image: ImageInput) -> bytes:
         """What names an image's tokens and encoder rows under this processor."""
@@ -202,7 +236,8 @@ class VisionModel:
                 raise ImagePromptError(f"image {k}'s placeholder tokens are not contiguous")
             first += count
             key = self.image_key(image)
-            spans.append(ImageSpan(int(run[0]), int(run[-1]) + 1, key, pixels[k : k + 1]))
+            start, end = int(run[0]), int(run[-1]) + 1
+            spans.append(ImageSpan(start, end, key, pixels[k : k + 1], self.bidirectional))
         return tuple(spans)
 
     # ---- encoder rows (worker thread) ---------------------------------------
