@@ -342,7 +342,10 @@ class Worker:
                 prompt = seq.num_computed < seq.num_prompt_tokens
                 lora = seq.request.lora
                 images = seq.request.images if prompt else ()
-                chunks.append(SeqChunk(seq.kv, seq.num_computed, ids, last, prompt, lora, images))
+                chunks.append(
+                    SeqChunk(seq.kv, seq.num_computed, ids, last, prompt, lora, images,
+                             seq.request.positions)  # fmt: skip
+                )
             deterministic = self.scheduler.config.deterministic
             pad = deterministic or any(c.is_prompt for c in chunks)
             logits = self.adapter.forward_batch(

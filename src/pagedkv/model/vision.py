@@ -17,10 +17,12 @@ through the ragged batch like any text model; this module adds what images need:
   with those rows replaced by the image's encoder rows (a chunk may start inside an
   image: the rows are sliced at its offset). Encoder rows come from the `VisionCache`.
 
-Only 1-D-position, causal models whose placeholder tokens each take one encoder row in
-order (LLaVA) are served: a prefix cached up to any token inside an image then holds
-exactly the KV a fresh prompt computes there. Gemma 3 (image tokens attend to each other
-both ways) and Qwen2-VL (M-RoPE positions) need more; docs/architecture.md, "Images".
+Causal models whose placeholder tokens each take one encoder row in order are served:
+LLaVA (1-D positions) and Qwen2-VL (M-RoPE positions from each image's grid,
+`model.mrope`; its processor and patch grids, `model.vision_qwen`). A prefix cached up
+to any token inside an image then holds exactly the KV a fresh prompt computes there.
+Gemma 3 (image tokens attend to each other both ways) needs more; docs/architecture.md,
+"Images".
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ import torch
 from pagedkv.errors import ImagePromptError, ModelNotSupportedError
 from pagedkv.model.images import ImageInput
 from pagedkv.model.vision_cache import DEFAULT_VISION_CACHE_BYTES, VisionCache
+from pagedkv.model.vision_qwen import QWEN_FAMILIES, load_patch_processor, split_patches
 
 # Model types whose image tokens pagedkv serves (see the module docstring).
-VISION_FAMILIES = frozenset({"llava"})
+VISION_FAMILIES = frozenset({"llava"}) | QWEN_FAMILIES
 _KEY_TAG = b"pagedkv-image-key-v1\x00"
 _SEGMENT_TAG = b"pagedkv-image-segments-v1\x00"
 # Processor fields that never change an image's tokens or rows.
@@ -57,6 +60,12 @@ class ImageSpan:
     end: int
     key: bytes
     pixels: torch.Tensor
+    # The encoder's patch grid `(t, h, w)` for this image (Qwen2-VL's `image_grid_thw`
+    # row); None where the encoder takes a fixed-size image.
+    grid_thw: tuple[int, int, int] | None = None
+    # Its token grid `(t, h, w)`, whose places are its tokens' M-RoPE positions
+    # (`model.mrope`); None: 1-D positions.
+    rope_grid: tuple[int, int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,7 +117,10 @@ def load_vision_model(directory: Path, dtype: torch.dtype) -> tuple[Any, Any]:
         model = AutoModelForImageTextToText.from_pretrained(
             directory, dtype=dtype, local_files_only=True
         )
-        processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
+        if getattr(model.config, "model_type", None) in QWEN_FAMILIES:
+            processor: Any = load_patch_processor(directory)
+        else:
+            processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
     except (ValueError, OSError, KeyError) as exc:
         raise ModelNotSupportedError(
             f"cannot load {str(directory)!r} as a transformers image-text-to-text model "
@@ -176,17 +188,26 @@ class VisionModel:
         ids = [int(i) for i in out["input_ids"][0]]
         if not images:
             return ImagePrompt(ids)
-        return ImagePrompt(ids, self._spans(ids, images, out["pixel_values"]))
+        return ImagePrompt(ids, self._spans(ids, images, out))
 
     def _spans(
-        self, ids: list[int], images: list[ImageInput], pixels: torch.Tensor
+        self, ids: list[int], images: list[ImageInput], out: Any
     ) -> tuple[ImageSpan, ...]:
-        if pixels.shape[0] != len(images):
+        pixels = out["pixel_values"]
+        grids = out.get("image_grid_thw")
+        if grids is not None:  # a flat run of patches, split by each image's grid
+            merge = int(self.processor.merge_size)
+            parts = split_patches(pixels, grids, merge)
+            counts = [t * h * w for _, _, (t, h, w) in parts]
+        elif pixels.shape[0] != len(images):
             raise ImagePromptError(
                 f"the processor made {pixels.shape[0]} pixel tensors for {len(images)} images"
             )
-        sizes = [(image.size[1], image.size[0]) for image in images]  # (height, width)
-        counts = self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
+        else:
+            sizes = [(image.size[1], image.size[0]) for image in images]  # (height, width)
+            processor = self.processor
+            counts = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
+            parts = [(pixels[k : k + 1], None, None) for k in range(len(images))]
         where = np.flatnonzero(np.asarray(ids) == self.image_token_id)
         if len(where) != sum(counts):
             raise ImagePromptError(
@@ -202,7 +223,9 @@ class VisionModel:
                 raise ImagePromptError(f"image {k}'s placeholder tokens are not contiguous")
             first += count
             key = self.image_key(image)
-            spans.append(ImageSpan(int(run[0]), int(run[-1]) + 1, key, pixels[k : k + 1]))
+            patches, grid_thw, rope_grid = parts[k]
+            span = ImageSpan(int(run[0]), int(run[-1]) + 1, key, patches, grid_thw, rope_grid)
+            spans.append(span)
         return tuple(spans)
 
     # ---- encoder rows (worker thread) ---------------------------------------
@@ -215,7 +238,10 @@ class VisionModel:
         param = next(self.model.parameters())
         self.cache.encoder_calls += 1
         pixels = span.pixels.to(device=param.device, dtype=param.dtype)
-        out = self.model.get_image_features(pixel_values=pixels, return_dict=True)
+        kwargs: dict[str, Any] = {}
+        if span.grid_thw is not None:
+            kwargs["image_grid_thw"] = torch.tensor([span.grid_thw], device=param.device)
+        out = self.model.get_image_features(pixel_values=pixels, return_dict=True, **kwargs)
         rows = torch.cat(list(out.pooler_output)).reshape(-1, self.hidden_size)
         if rows.shape[0] != span.num_tokens:
             raise ImagePromptError(
