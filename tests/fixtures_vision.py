@@ -21,8 +21,8 @@ from fixtures_models import _scale_init, make_tiny_tokenizer
 
 __all__ = [
     "IMAGE_TOKENS",
-    "VISION_CHAT_TEMPLATE",
     "QWEN_CHAT_TEMPLATE",
+    "VISION_CHAT_TEMPLATE",
     "make_tiny_llava",
     "make_tiny_qwen2_vl",
     "tiny_image",

@@ -59,7 +59,9 @@ def test_positions_follow_each_image_grid(adapter: ModelAdapter) -> None:
     assert torch.equal(positions.rows(0, n), want[:, 0])
     assert positions.delta == int(delta) == (4 - 12) + (6 - 12)
     for start in (0, first.start + 5, second.start + 1, second.end):  # any cut, same rows
-        assert torch.equal(positions.rows(start, 7), positions.rows(0, n + 10)[:, start : start + 7])
+        assert torch.equal(
+            positions.rows(start, 7), positions.rows(0, n + 10)[:, start : start + 7]
+        )
     # a decode step's three rows are its index plus the prompt's delta
     assert positions.rows(n + 3, 1).tolist() == [[n + 3 + positions.delta]] * 3
     # a text-only prompt has no M-RoPE table: plain [1, rows] positions, as before
@@ -86,7 +88,9 @@ def test_prefill_and_decode_match_transformers(adapter: ModelAdapter) -> None:
     got = [adapter.forward_batch([SeqChunk(kv, 0, ids, True, True, None, images, positions)])[0]]
     for i, token in enumerate(steps[:-1]):
         start = len(ids) + i
-        got.append(adapter.forward_batch([SeqChunk(kv, start, [token], True, positions=positions)])[0])
+        got.append(
+            adapter.forward_batch([SeqChunk(kv, start, [token], True, positions=positions)])[0]
+        )
     for g, w in zip(got, want, strict=True):
         assert torch.allclose(g, w, atol=1e-4), float((g - w).abs().max())
     # without the offset the decode step is another position: other logits

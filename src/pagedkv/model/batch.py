@@ -52,6 +52,7 @@ from transformers import AttentionInterface
 
 from pagedkv.model.kv_format import KVFormat
 from pagedkv.model.lora import LoraWeights
+from pagedkv.model.mrope import mrope_rows
 
 if TYPE_CHECKING:
     from pagedkv.model.mrope import MRopePositions
@@ -356,10 +357,10 @@ def plan_batch(
     group_decode: bool = True,
 ) -> tuple[RaggedPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plan, input ids `[1, rows]`, position ids `[1, rows]` (`[3, 1, rows]` when a
-    chunk has M-RoPE positions) and the rows whose logits are wanted, in chunk order. `pad_rows(n)` (see `DeterministicRows`) gives
-    how many rows to run for n real ones, and how many logit rows for n wanted:
-    padding rows hold token 0 and attend to nothing; padding logit rows repeat one.
-    `group_decode`: see `RaggedPlan`."""
+    chunk has M-RoPE positions) and the rows whose logits are wanted, in chunk order.
+    `pad_rows(n)` (see `DeterministicRows`) gives how many rows to run for n real ones,
+    and how many logit rows for n wanted: padding rows hold token 0 and attend to
+    nothing; padding logit rows repeat one.     `group_decode`: see `RaggedPlan`."""
     offsets: list[int] = []
     ids: list[int] = []
     positions: list[int] = []
@@ -382,25 +383,11 @@ def plan_batch(
     plan = RaggedPlan(chunks, offsets, row, kv_format, group_decode=group_decode)
     ids_t = torch.tensor([ids], dtype=torch.long, device=device)
     if any(c.positions is not None for c in chunks):
-        positions_t = _mrope_rows(chunks, len(ids)).to(device)
+        spans = [(c.positions, c.start, len(c.token_ids)) for c in chunks]
+        positions_t = mrope_rows(spans, len(ids)).to(device)
     else:
         positions_t = torch.tensor([positions], dtype=torch.long, device=device)
     return plan, ids_t, positions_t, torch.tensor(keep, dtype=torch.long, device=device)
-
-
-def _mrope_rows(chunks: list[SeqChunk], rows: int) -> torch.Tensor:
-    """Position ids `[3, 1, rows]`: each chunk's M-RoPE rows, or its plain positions in
-    all three; padding rows at 0."""
-    out = torch.zeros((3, rows), dtype=torch.long)
-    row = 0
-    for chunk in chunks:
-        n = len(chunk.token_ids)
-        if chunk.positions is not None:
-            out[:, row : row + n] = chunk.positions.rows(chunk.start, n)
-        else:
-            out[:, row : row + n] = torch.arange(chunk.start, chunk.start + n)
-        row += n
-    return out.unsqueeze(1)
 
 
 class DeterministicRows:

@@ -190,15 +190,16 @@ class VisionModel:
             return ImagePrompt(ids)
         return ImagePrompt(ids, self._spans(ids, images, out))
 
-    def _spans(
-        self, ids: list[int], images: list[ImageInput], out: Any
-    ) -> tuple[ImageSpan, ...]:
+    def _spans(self, ids: list[int], images: list[ImageInput], out: Any) -> tuple[ImageSpan, ...]:
         pixels = out["pixel_values"]
         grids = out.get("image_grid_thw")
+        Grid = tuple[int, int, int] | None
+        parts: list[tuple[torch.Tensor, Grid, Grid]]
         if grids is not None:  # a flat run of patches, split by each image's grid
             merge = int(self.processor.merge_size)
-            parts = split_patches(pixels, grids, merge)
-            counts = [t * h * w for _, _, (t, h, w) in parts]
+            split = split_patches(pixels, grids, merge)
+            counts = [t * h * w for _, _, (t, h, w) in split]
+            parts = list(split)
         elif pixels.shape[0] != len(images):
             raise ImagePromptError(
                 f"the processor made {pixels.shape[0]} pixel tensors for {len(images)} images"

@@ -48,9 +48,12 @@ class PatchProcessor:
             raise ModelNotSupportedError("the model's processor has no chat template")
         return str(
             self.tokenizer.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, **kw,
-            )  # fmt: skip
+                messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kw,
+            )
         )
 
     def __call__(
@@ -115,7 +118,8 @@ def split_patches(
         t, h, w = (int(x) for x in grid)
         if h % merge_size or w % merge_size:
             raise ImagePromptError(f"an image's patch grid {grid} does not divide by {merge_size}")
-        out.append((pixels[first : first + t * h * w], (t, h, w), (t, h // merge_size, w // merge_size)))
+        rope_grid = (t, h // merge_size, w // merge_size)
+        out.append((pixels[first : first + t * h * w], (t, h, w), rope_grid))
         first += t * h * w
     if first != pixels.shape[0]:
         raise ImagePromptError(
