@@ -27,6 +27,7 @@ __all__ = [
     "make_tiny_qwen2_vl",
     "tiny_image",
     "tiny_llava_dir",
+    "tiny_qwen2_5_vl_dir",
     "tiny_qwen2_vl_dir",
 ]
 
@@ -97,9 +98,15 @@ def make_tiny_llava(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
-def make_tiny_qwen2_vl(path: str | Path, seed: int = 0) -> Path:
+def make_tiny_qwen2_vl(path: str | Path, seed: int = 0, family: str = "qwen2_vl") -> Path:
     import torch
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -119,16 +126,22 @@ def make_tiny_qwen2_vl(path: str | Path, seed: int = 0) -> Path:
                          "mrope_section": [2, 3, 3]},
         bos_token_id=bos, eos_token_id=eos, pad_token_id=bos,
     )  # fmt: skip
-    vision = dict(
-        depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
-        patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+    vision: dict[str, Any] = dict(
+        depth=2, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
     )  # fmt: skip
-    config = Qwen2VLConfig(
+    if family == "qwen2_5_vl":  # window attention over 2x2 merged tokens, then full
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                      window_size=16, fullatt_block_indexes=[1])  # fmt: skip
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    else:
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    config = config_class(
         text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
         vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     _scale_init(model, seed)
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=bos)
     images = Qwen2VLImageProcessorPil(
@@ -162,3 +175,10 @@ def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2-VL with its image processor (a 40x36 image: 9 placeholder tokens)."""
     return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2.5-VL (window attention in its vision tower), as `tiny_qwen2_vl_dir`."""
+    path = tmp_path_factory.mktemp("tiny-qwen2-5-vl") / "model"
+    return make_tiny_qwen2_vl(path, family="qwen2_5_vl")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from engine_helpers import BS, GREEDY
 from fixtures_vision import tiny_image
 
@@ -104,10 +105,22 @@ def test_another_image_or_grid_at_the_same_place_misses_from_its_block(
             assert again.token_ids == want[first]
 
 
-def test_greedy_answer_equals_transformers_decode(off: Engine) -> None:
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_greedy_answer_equals_transformers_decode(
+    family: str, off: Engine, request: pytest.FixtureRequest
+) -> None:
     """The engine's decode steps sit at index + the prompt's offset: its greedy answer
     is transformers' own (its forward with pixels and grids, then its cache)."""
-    import torch
+    if family == "qwen2_5_vl":
+        directory = request.getfixturevalue("tiny_qwen2_5_vl_dir")
+        cfg = CacheConfig(enable_prefix_caching=False)
+        with Engine.from_pretrained(str(directory), config=cfg) as eng:
+            _check_greedy_against_transformers(eng)
+        return
+    _check_greedy_against_transformers(off)
+
+
+def _check_greedy_against_transformers(off: Engine) -> None:
 
     p = _prompt(off, tiny_image(14), tiny_image(15, size=WIDE))
     model = off.adapter.model

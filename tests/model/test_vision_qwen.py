@@ -1,7 +1,7 @@
-"""Qwen2-VL's images (`model/mrope.py`, `model/vision_qwen.py`) on the tiny Qwen2-VL:
-M-RoPE positions against the model's own `get_rope_index`, the ragged forward and its
-decode steps against transformers' own forward and cache, chunks cut inside an image,
-mixed batches, and text-only prompts on plain positions."""
+"""Qwen2-VL's and Qwen2.5-VL's images (`model/mrope.py`, `model/vision_qwen.py`) on tiny
+random models of each: M-RoPE positions against the model's own `get_rope_index`, the
+ragged forward and its decode steps against transformers' own forward and cache, chunks
+cut inside an image, mixed batches, and text-only prompts on plain positions."""
 
 from __future__ import annotations
 
@@ -18,9 +18,11 @@ from pagedkv.model.mrope import mrope_positions
 from pagedkv.model.vision import ImagePrompt
 
 
-@pytest.fixture(scope="module")
-def adapter(tiny_qwen2_vl_dir: Path) -> ModelAdapter:
-    return load_model(str(tiny_qwen2_vl_dir), device="cpu")
+@pytest.fixture(scope="module", params=["tiny_qwen2_vl_dir", "tiny_qwen2_5_vl_dir"])
+def adapter(request: pytest.FixtureRequest) -> ModelAdapter:
+    """Each family: Qwen2-VL, and Qwen2.5-VL (window attention in its vision tower)."""
+    directory: Path = request.getfixturevalue(request.param)
+    return load_model(str(directory), device="cpu")
 
 
 def _prompt(adapter: ModelAdapter, *images: Any, text: str = "Look: ") -> ImagePrompt:

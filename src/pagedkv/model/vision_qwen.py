@@ -24,7 +24,7 @@ import torch
 from pagedkv.errors import ImagePromptError, ModelNotSupportedError
 
 # Model types of this module's family.
-QWEN_FAMILIES = frozenset({"qwen2_vl"})
+QWEN_FAMILIES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 QWEN_IMAGE_TOKEN = "<|image_pad|>"
 
 
