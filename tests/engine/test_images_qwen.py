@@ -6,6 +6,7 @@ the prompt's offset."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from fixtures_vision import tiny_image
 
 from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
+from pagedkv.errors import ImagePromptError
 
 WIDE = (50, 20)  # 12 tokens in a 2x6 grid, where the default 40x36 takes a 3x4 one
 
@@ -194,3 +196,14 @@ def test_preempted_and_forked_image_requests_decode_at_their_offset(
     assert got == want
     assert stats is not None and stats.preemptions > 0, "the budget never ran short"
     assert [r.token_ids for r in pair] == [want[1][:8]] * 2
+
+
+def test_spans_without_their_grid_are_refused(off: Engine) -> None:
+    """A span whose position grid is missing or does not cover its tokens would place
+    the prompt at other positions than the model's: refused before it is queued."""
+    p = _prompt(off, tiny_image(16))
+    (span,) = p.images
+    for grid in (None, (1, 2, 2)):
+        bad = (dataclasses.replace(span, rope_grid=grid),)
+        with pytest.raises(ImagePromptError, match="position grid"):
+            off.generate(p.token_ids, GREEDY, images=bad)

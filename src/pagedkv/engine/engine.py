@@ -711,6 +711,16 @@ class Engine:
                     f"an image span [{span.start}, {span.end}) does not lie on the "
                     "prompt's image placeholder tokens after the one before it"
                 )
+            grid = span.rope_grid
+            if (grid is not None) != vision.mrope or (
+                grid is not None and grid[0] * grid[1] * grid[2] != span.num_tokens
+            ):
+                raise ImagePromptError(
+                    f"the image span [{span.start}, {span.end}) has position grid {grid} "
+                    f"where {self.model_name} "
+                    + ("places image tokens by their grid" if vision.mrope else "takes none")
+                    + ": pass the spans render_chat returned"
+                )
             end = span.end
 
     def _closed_reason(self) -> str:

@@ -150,6 +150,8 @@ class VisionModel:
         self.image_token_id = token_id
         self.fingerprint = processor_fingerprint(processor)
         self.hidden_size = int(config.get_text_config(decoder=True).hidden_size)
+        # Whether image tokens take M-RoPE positions from their grid (`model.mrope`).
+        self.mrope = getattr(config, "model_type", None) in QWEN_FAMILIES
         self.cache = VisionCache(cache_bytes)
 
     def image_key(self, image: ImageInput) -> bytes:
