@@ -5,6 +5,7 @@ cut inside an image, mixed batches, and text-only prompts on plain positions."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from fixtures_vision import tiny_image
 from pagedkv.model.batch import SeqChunk, plan_batch
 from pagedkv.model.hf import ModelAdapter, load_model
 from pagedkv.model.mrope import mrope_positions
-from pagedkv.model.vision import ImagePrompt
+from pagedkv.model.vision import ImagePrompt, processor_fingerprint
 
 
 @pytest.fixture(scope="module", params=["tiny_qwen2_vl_dir", "tiny_qwen2_5_vl_dir"])
@@ -142,3 +143,13 @@ def test_same_token_count_other_grid_other_key(adapter: ModelAdapter) -> None:
     assert a.token_ids == b.token_ids
     assert a.images[0].rope_grid != b.images[0].rope_grid
     assert a.images[0].key != b.images[0].key
+    # the key names the processor's settings (its pixel bounds shape the grid), not
+    # its chat template
+    vision = adapter.vision
+    assert vision is not None
+    bounds = copy.deepcopy(vision.processor)
+    bounds.image_processor.size = {"shortest_edge": 8 * 8, "longest_edge": 64 * 64}
+    assert processor_fingerprint(bounds) != vision.fingerprint
+    templated = copy.deepcopy(vision.processor)
+    templated.chat_template = "{{ messages }}"
+    assert processor_fingerprint(templated) == vision.fingerprint
