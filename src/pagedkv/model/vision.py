@@ -18,9 +18,10 @@ through the ragged batch like any text model; this module adds what images need:
   image: the rows are sliced at its offset). Encoder rows come from the `VisionCache`.
 
 Causal models whose placeholder tokens each take one encoder row in order are served:
-LLaVA (1-D positions) and Qwen2-VL (M-RoPE positions from each image's grid,
-`model.mrope`; its processor and patch grids, `model.vision_qwen`). A prefix cached up
-to any token inside an image then holds exactly the KV a fresh prompt computes there.
+LLaVA (1-D positions), Qwen2-VL and Qwen2.5-VL (M-RoPE positions from each image's
+grid, `model.mrope`; their processor and patch grids, `model.vision_qwen`). A prefix
+cached up to any token inside an image then holds exactly the KV a fresh prompt
+computes there.
 Gemma 3 (image tokens attend to each other both ways) needs more; docs/architecture.md,
 "Images".
 """

@@ -1,5 +1,6 @@
-"""Qwen2-VL's image side: its processor, built by pagedkv from its parts, and its
-images' spans (a patch grid per image, M-RoPE positions: `model.mrope`).
+"""Qwen2-VL's and Qwen2.5-VL's image side: their processor, built by pagedkv from its
+parts, and their images' spans (a patch grid per image, M-RoPE positions:
+`model.mrope`). The two share all of it for images.
 
 Qwen2-VL's processor class (transformers' `Qwen2VLProcessor`) also needs its video
 processor, which needs torchvision; pagedkv reads images only, so it builds what it
