@@ -83,9 +83,12 @@ class PatchProcessor:
         return {"input_ids": torch.tensor([ids], dtype=torch.long), **out}
 
     def to_dict(self) -> dict[str, Any]:
-        """What shapes an image's tokens and pixels (`model.vision.processor_fingerprint`)."""
+        """What shapes an image's tokens and pixels (`model.vision.processor_fingerprint`),
+        the image processor's class among them: its PIL and torchvision backends share
+        their settings but resize to other pixels."""
         return {
             "processor_class": type(self).__name__,
+            "image_processor_class": type(self.image_processor).__name__,
             "image_processor": self.image_processor.to_dict(),
             "image_token": self.image_token,
             "merge_size": self.merge_size,
