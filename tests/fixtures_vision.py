@@ -1,10 +1,15 @@
-"""A tiny random LLaVA (CLIP vision tower, Llama language model), built in the test run.
+"""Tiny random VLMs built in the test run: LLaVA (CLIP vision tower, Llama language
+model) and Qwen2-VL (its own vision tower, M-RoPE language model).
 
 `make_tiny_llava(path, seed=0)` writes a LlavaForConditionalGeneration whose vision
 tower sees 32x32 images in 8x8 patches (16 placeholder tokens per image), a projector
 to the 64-wide, 2-layer Llama of `fixtures_models`, the tiny byte-level tokenizer with
 an `<image>` token, a CLIP image processor (PIL backend) and a chat template that reads
-list content, to `path`. Nothing downloads."""
+list content, to `path`. `make_tiny_qwen2_vl(path, seed=0)` writes a Qwen2VLForConditionalGeneration
+whose image processor resizes to multiples of 8 pixels within 8x8..32x32 in 4x4
+patches merged 2x2 (a 40x36 image: a 3x3 token grid), a 2-layer 64-wide language model
+with M-RoPE, the same tokenizer with Qwen's vision tokens and a chat template that
+writes `<|vision_start|><|image_pad|><|vision_end|>` per image. Nothing downloads."""
 
 from __future__ import annotations
 
@@ -18,12 +23,16 @@ __all__ = [
     "GEMMA_IMAGE_TOKENS",
     "GEMMA_WINDOW",
     "IMAGE_TOKENS",
+    "QWEN_CHAT_TEMPLATE",
     "VISION_CHAT_TEMPLATE",
     "make_tiny_gemma3",
     "make_tiny_llava",
+    "make_tiny_qwen2_vl",
     "tiny_gemma3_dir",
     "tiny_image",
     "tiny_llava_dir",
+    "tiny_qwen2_5_vl_dir",
+    "tiny_qwen2_vl_dir",
 ]
 
 IMAGE_SIZE, PATCH = 32, 8
@@ -36,6 +45,10 @@ VISION_CHAT_TEMPLATE = (
     "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
     "{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+QWEN_CHAT_TEMPLATE = VISION_CHAT_TEMPLATE.replace(
+    "<image>", "<|vision_start|><|image_pad|><|vision_end|>"
 )
 
 
@@ -86,6 +99,61 @@ def make_tiny_llava(path: str | Path, seed: int = 0) -> Path:
     )  # fmt: skip
     model.save_pretrained(path)
     processor.save_pretrained(path)
+    return path
+
+
+def make_tiny_qwen2_vl(path: str | Path, seed: int = 0, family: str = "qwen2_vl") -> Path:
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tiny_tokenizer(add_bos=True, chat_template=QWEN_CHAT_TEMPLATE)
+    names = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": names})
+    start, image, end, video = (tokenizer.convert_tokens_to_ids(t) for t in names)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "mrope_section": [2, 3, 3]},
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=bos,
+    )  # fmt: skip
+    vision: dict[str, Any] = dict(
+        depth=2, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    if family == "qwen2_5_vl":  # window attention over 2x2 merged tokens, then full
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                      window_size=16, fullatt_block_indexes=[1])  # fmt: skip
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    else:
+        vision.update(embed_dim=32, hidden_size=64, mlp_ratio=2)
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    config = config_class(
+        text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
+        vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    _scale_init(model, seed)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=bos)
+    images = Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32
+    )
+    model.save_pretrained(path)
+    images.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 
@@ -190,3 +258,16 @@ def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Gemma 3 VLM with its processor (16 image tokens per image, sliding
     window 12)."""
     return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2-VL with its image processor (a 40x36 image: 9 placeholder tokens)."""
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2.5-VL (window attention in its vision tower), as `tiny_qwen2_vl_dir`."""
+    path = tmp_path_factory.mktemp("tiny-qwen2-5-vl") / "model"
+    return make_tiny_qwen2_vl(path, family="qwen2_5_vl")

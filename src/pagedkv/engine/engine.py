@@ -46,6 +46,7 @@ from pagedkv.model.batch import DeterministicRows, linear_layers
 from pagedkv.model.fingerprint import describe_namespace
 from pagedkv.model.generation_defaults import SamplingDefaults
 from pagedkv.model.lora import DEFAULT_MAX_LORA_RANK, LoraWeights
+from pagedkv.model.mrope import mrope_positions
 from pagedkv.model.vision import ImagePrompt, ImageSpan, has_images, image_segments
 
 log = logging.getLogger(__name__)
@@ -686,7 +687,7 @@ class Engine:
         extra = _extra_keys(salt, lora, images)
         req = Request(ids, params, extra, owner=owner, grammar=grammar, lora=lora,
                       prefill_only=prefill_only, background=background, leases=leases,
-                      images=images)  # fmt: skip
+                      images=images, positions=mrope_positions(images))  # fmt: skip
         self._queue.put(req)
         return req
 
@@ -719,6 +720,16 @@ class Engine:
                     f"an image span [{span.start}, {span.end}) says its tokens attend "
                     f"{said}, and {self.model_name}'s attend {want}: render the prompt "
                     "with this engine's render_chat"
+                )
+            grid = span.rope_grid
+            if (grid is not None) != vision.mrope or (
+                grid is not None and grid[0] * grid[1] * grid[2] != span.num_tokens
+            ):
+                raise ImagePromptError(
+                    f"the image span [{span.start}, {span.end}) has position grid {grid} "
+                    f"where {self.model_name} "
+                    + ("places image tokens by their grid" if vision.mrope else "takes none")
+                    + ": pass the spans render_chat returned"
                 )
             end = span.end
 

@@ -13,6 +13,7 @@ from pagedkv.cache.leases import LeaseRequest
 from pagedkv.engine.grammar import CompiledGrammar
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.model.lora import LoraWeights
+from pagedkv.model.mrope import MRopePositions
 from pagedkv.model.vision import ImageSpan
 
 
@@ -92,6 +93,9 @@ class Request:
     # The prompt's images (`model.vision`): their spans are segments of `extra`, and
     # prompt chunks over their placeholder tokens read their encoder rows.
     images: tuple[ImageSpan, ...] = ()
+    # Their M-RoPE positions (`model.mrope`), made once from them: every chunk of every
+    # sample, decode steps included, reads its positions here. None: 1-D positions.
+    positions: MRopePositions | None = None
     events: queue.Queue[StreamEvent | BaseException] = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -342,7 +342,11 @@ class Worker:
                 prompt = seq.num_computed < seq.num_prompt_tokens
                 lora = seq.request.lora
                 images = seq.request.images if prompt else ()
-                chunks.append(SeqChunk(seq.kv, seq.num_computed, ids, last, prompt, lora, images))
+                positions = seq.request.positions  # every chunk, decode steps too
+                chunk = SeqChunk(
+                    seq.kv, seq.num_computed, ids, last, prompt, lora, images, positions
+                )
+                chunks.append(chunk)
             deterministic = self.scheduler.config.deterministic
             pad = deterministic or any(c.is_prompt for c in chunks)
             logits = self.adapter.forward_batch(

@@ -52,8 +52,10 @@ from transformers import AttentionInterface
 
 from pagedkv.model.kv_format import KVFormat
 from pagedkv.model.lora import LoraWeights
+from pagedkv.model.mrope import mrope_rows
 
 if TYPE_CHECKING:
+    from pagedkv.model.mrope import MRopePositions
     from pagedkv.model.vision import ImageSpan
 
 ATTENTION_NAME = "pagedkv_ragged"
@@ -101,6 +103,9 @@ class SeqChunk:
     # The sequence's images (`model.vision`): rows at their placeholder positions read
     # the image's encoder rows instead of the token's embedding.
     images: Sequence[ImageSpan] = ()
+    # The sequence's M-RoPE positions (`model.mrope`), for prompt and decode chunks
+    # alike; None: positions `start, start + 1, ...`.
+    positions: MRopePositions | None = None
 
     @property
     def is_prompt(self) -> bool:
@@ -364,11 +369,11 @@ def plan_batch(
     kv_format: KVFormat | None = None,
     group_decode: bool = True,
 ) -> tuple[RaggedPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan, input ids `[1, rows]`, position ids `[1, rows]` and the rows whose
-    logits are wanted, in chunk order. `pad_rows(n)` (see `DeterministicRows`) gives
-    how many rows to run for n real ones, and how many logit rows for n wanted:
-    padding rows hold token 0 and attend to nothing; padding logit rows repeat one.
-    `group_decode`: see `RaggedPlan`."""
+    """The plan, input ids `[1, rows]`, position ids `[1, rows]` (`[3, 1, rows]` when a
+    chunk has M-RoPE positions) and the rows whose logits are wanted, in chunk order.
+    `pad_rows(n)` (see `DeterministicRows`) gives how many rows to run for n real ones,
+    and how many logit rows for n wanted: padding rows hold token 0 and attend to
+    nothing; padding logit rows repeat one.     `group_decode`: see `RaggedPlan`."""
     offsets: list[int] = []
     ids: list[int] = []
     positions: list[int] = []
@@ -390,7 +395,11 @@ def plan_batch(
             keep.extend([keep[-1]] * (pad_rows(len(keep)) - len(keep)))
     plan = RaggedPlan(chunks, offsets, row, kv_format, group_decode=group_decode)
     ids_t = torch.tensor([ids], dtype=torch.long, device=device)
-    positions_t = torch.tensor([positions], dtype=torch.long, device=device)
+    if any(c.positions is not None for c in chunks):
+        spans = [(c.positions, c.start, len(c.token_ids)) for c in chunks]
+        positions_t = mrope_rows(spans, len(ids)).to(device)
+    else:
+        positions_t = torch.tensor([positions], dtype=torch.long, device=device)
     return plan, ids_t, positions_t, torch.tensor(keep, dtype=torch.long, device=device)
 
 

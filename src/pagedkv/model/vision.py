@@ -17,11 +17,14 @@ through the ragged batch like any text model; this module adds what images need:
   with those rows replaced by the image's encoder rows (a chunk may start inside an
   image: the rows are sliced at its offset). Encoder rows come from the `VisionCache`.
 
-Served: 1-D-position models whose placeholder tokens each take one encoder row in
-order. LLaVA's image tokens attend causally; Gemma 3's attend to each other both ways
-(`ImageSpan.bidirectional`, `images_attend_both_ways`): the ragged batch's prompt mask
-lets an image's rows see all of its keys, and no prefill chunk ends inside such an image
-(`whole_image_take`). Qwen2-VL (M-RoPE positions) needs more; docs/architecture.md,
+Served, all with placeholder tokens that each take one encoder row in order: LLaVA
+(1-D positions, causal), Qwen2-VL and Qwen2.5-VL (M-RoPE positions from each image's
+grid, `model.mrope`; their processor and patch grids, `model.vision_qwen`), and Gemma 3,
+whose image tokens attend to each other both ways (`ImageSpan.bidirectional`,
+`images_attend_both_ways`): the ragged batch's prompt mask lets an image's rows see all
+of its keys, and no prefill chunk ends inside such an image (`whole_image_take`).
+A prefix cached up to any token inside an image then holds exactly the KV a fresh
+prompt computes there. docs/architecture.md,
 "Images".
 """
 
@@ -40,9 +43,10 @@ import torch
 from pagedkv.errors import ImagePromptError, ModelNotSupportedError
 from pagedkv.model.images import ImageInput
 from pagedkv.model.vision_cache import DEFAULT_VISION_CACHE_BYTES, VisionCache
+from pagedkv.model.vision_qwen import QWEN_FAMILIES, load_patch_processor, split_patches
 
 # Model types whose image tokens pagedkv serves (see the module docstring).
-VISION_FAMILIES = frozenset({"llava", "gemma3"})
+VISION_FAMILIES = frozenset({"llava", "gemma3"}) | QWEN_FAMILIES
 # Families whose image tokens attend to each other both ways (transformers builds their
 # mask from `token_type_ids`: causal, or-ed with "same run of image tokens").
 _BIDIRECTIONAL_FAMILIES = frozenset({"gemma3"})
@@ -62,6 +66,12 @@ class ImageSpan:
     end: int
     key: bytes
     pixels: torch.Tensor
+    # The encoder's patch grid `(t, h, w)` for this image (Qwen2-VL's `image_grid_thw`
+    # row); None where the encoder takes a fixed-size image.
+    grid_thw: tuple[int, int, int] | None = None
+    # Its token grid `(t, h, w)`, whose places are its tokens' M-RoPE positions
+    # (`model.mrope`); None: 1-D positions.
+    rope_grid: tuple[int, int, int] | None = None
     # The image's tokens attend to each other both ways (Gemma 3): a prefill chunk must
     # never end inside it, and its rows see its keys past their own position.
     bidirectional: bool = False
@@ -135,7 +145,10 @@ def load_vision_model(directory: Path, dtype: torch.dtype) -> tuple[Any, Any]:
         model = AutoModelForImageTextToText.from_pretrained(
             directory, dtype=dtype, local_files_only=True
         )
-        processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
+        if getattr(model.config, "model_type", None) in QWEN_FAMILIES:
+            processor: Any = load_patch_processor(directory)
+        else:
+            processor = AutoProcessor.from_pretrained(directory, local_files_only=True)
     except (ValueError, OSError, KeyError) as exc:
         raise ModelNotSupportedError(
             f"cannot load {str(directory)!r} as a transformers image-text-to-text model "
@@ -165,6 +178,8 @@ class VisionModel:
         self.image_token_id = token_id
         self.fingerprint = processor_fingerprint(processor)
         self.hidden_size = int(config.get_text_config(decoder=True).hidden_size)
+        # Whether image tokens take M-RoPE positions from their grid (`model.mrope`).
+        self.mrope = getattr(config, "model_type", None) in QWEN_FAMILIES
         self.cache = VisionCache(cache_bytes)
         self.bidirectional = images_attend_both_ways(config)
         pan_and_scan = getattr(getattr(processor, "image_processor", None), "do_pan_and_scan", None)
@@ -210,17 +225,27 @@ class VisionModel:
         ids = [int(i) for i in out["input_ids"][0]]
         if not images:
             return ImagePrompt(ids)
-        return ImagePrompt(ids, self._spans(ids, images, out["pixel_values"]))
+        return ImagePrompt(ids, self._spans(ids, images, out))
 
-    def _spans(
-        self, ids: list[int], images: list[ImageInput], pixels: torch.Tensor
-    ) -> tuple[ImageSpan, ...]:
-        if pixels.shape[0] != len(images):
+    def _spans(self, ids: list[int], images: list[ImageInput], out: Any) -> tuple[ImageSpan, ...]:
+        pixels = out["pixel_values"]
+        grids = out.get("image_grid_thw")
+        Grid = tuple[int, int, int] | None
+        parts: list[tuple[torch.Tensor, Grid, Grid]]
+        if grids is not None:  # a flat run of patches, split by each image's grid
+            merge = int(self.processor.merge_size)
+            split = split_patches(pixels, grids, merge)
+            counts = [t * h * w for _, _, (t, h, w) in split]
+            parts = list(split)
+        elif pixels.shape[0] != len(images):
             raise ImagePromptError(
                 f"the processor made {pixels.shape[0]} pixel tensors for {len(images)} images"
             )
-        sizes = [(image.size[1], image.size[0]) for image in images]  # (height, width)
-        counts = self.processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
+        else:
+            sizes = [(image.size[1], image.size[0]) for image in images]  # (height, width)
+            processor = self.processor
+            counts = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens
+            parts = [(pixels[k : k + 1], None, None) for k in range(len(images))]
         where = np.flatnonzero(np.asarray(ids) == self.image_token_id)
         if len(where) != sum(counts):
             raise ImagePromptError(
@@ -236,8 +261,12 @@ class VisionModel:
                 raise ImagePromptError(f"image {k}'s placeholder tokens are not contiguous")
             first += count
             key = self.image_key(image)
-            start, end = int(run[0]), int(run[-1]) + 1
-            spans.append(ImageSpan(start, end, key, pixels[k : k + 1], self.bidirectional))
+            patches, grid_thw, rope_grid = parts[k]
+            span = ImageSpan(
+                int(run[0]), int(run[-1]) + 1, key, patches, grid_thw, rope_grid,
+                bidirectional=self.bidirectional,
+            )  # fmt: skip
+            spans.append(span)
         return tuple(spans)
 
     # ---- encoder rows (worker thread) ---------------------------------------
@@ -250,7 +279,10 @@ class VisionModel:
         param = next(self.model.parameters())
         self.cache.encoder_calls += 1
         pixels = span.pixels.to(device=param.device, dtype=param.dtype)
-        out = self.model.get_image_features(pixel_values=pixels, return_dict=True)
+        kwargs: dict[str, Any] = {}
+        if span.grid_thw is not None:
+            kwargs["image_grid_thw"] = torch.tensor([span.grid_thw], device=param.device)
+        out = self.model.get_image_features(pixel_values=pixels, return_dict=True, **kwargs)
         rows = torch.cat(list(out.pooler_output)).reshape(-1, self.hidden_size)
         if rows.shape[0] != span.num_tokens:
             raise ImagePromptError(
