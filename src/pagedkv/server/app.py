@@ -40,7 +40,7 @@ from pagedkv.server.adapters import ModelNames, add_adapter_routes
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
-from pagedkv.server.chat_images import chat_renderer, takes_images, template_ids, text_only
+from pagedkv.server.chat_images import chat_renderer, takes_images, template_ids
 from pagedkv.server.dashboard import Dashboard, add_dashboard_routes
 from pagedkv.server.drift import RenderMemory
 from pagedkv.server.engine_api import EngineAPI
@@ -278,9 +278,9 @@ def create_app(
                 state.dashboard.finished(REQUEST_ID.get(), tenant.label, results)
             # The next turn's form is stored with the base model's weights: an adapter's
             # turn is left to its next request (its KV would be keyed to the base).
-            # A turn with images is left to its next request too: the next-turn render
-            # (`AfterTurn`) carries no images.
-            turn = gen.done and len(results) == 1 and lora is None and not images
+            # A turn with images is stored too: its messages keep their decoded images,
+            # which the next-turn render keys as the next request will.
+            turn = gen.done and len(results) == 1 and lora is None
             if isinstance(body, ChatCompletionRequest) and turn:
                 message = history_message(results[0], tools)
                 after_turn.finished(body, ids, results[0], message, salt, tenant.salt)
@@ -401,20 +401,14 @@ def create_app(
 
     async def prompt_only(
         body: ChatCompletionRequest, tenant: Tenant
-    ) -> tuple[list[int], ToolMode | None]:
-        """The prompt of a request that only looks at it (explain, count_tokens): rendered
-        under one sequence of the key's share, and refused past the model's context."""
+    ) -> tuple[ImagePrompt, ToolMode | None]:
+        """The prompt of a request that only looks at it (explain, count_tokens), its
+        images' spans included: rendered under one sequence of the key's share, and
+        refused past the model's context."""
         with admit(tenant, 1):
-            ids, mode = await chat_prompt(body, tenant)
-        check_prompt_fits(len(ids), engine.max_context, "messages")
-        return ids, mode
-
-    async def chat_prompt(
-        body: ChatCompletionRequest, tenant: Tenant, remember: bool = False
-    ) -> tuple[list[int], ToolMode | None]:
-        """`chat_render` for a route that carries no images: one holding images is a 400."""
-        prompt, mode = await chat_render(body, tenant, remember)
-        return text_only(prompt, "this route"), mode
+            prompt, mode = await chat_render(body, tenant)
+        check_prompt_fits(len(prompt.token_ids), engine.max_context, "messages")
+        return prompt, mode
 
     async def chat_render(
         body: ChatCompletionRequest, tenant: Tenant, remember: bool = False
@@ -480,7 +474,7 @@ def create_app(
                 "model",
             )
 
-    add_prewarm_route(app, PrewarmContext(engine, state.model_name, check_base, chat_prompt, admit))
+    add_prewarm_route(app, PrewarmContext(engine, state.model_name, check_base, chat_render, admit))
     add_adapter_routes(app, engine, models, check_admin)
 
     @app.post("/v1/cache/explain", responses=ERRORS)
@@ -508,7 +502,6 @@ def create_app(
         MessagesContext(
             model_name=state.model_name,
             check_open=check_open,
-            chat_prompt=chat_prompt,
             chat_render=chat_render,
             prompt_only=prompt_only,
             admit=admit,
@@ -520,7 +513,9 @@ def create_app(
         ),
     )
     blocking = functools.partial(_blocking, pool=state.render)
-    add_tokenizer_routes(app, TokenizerContext(engine, state.tools, check_open, admit, blocking))
+    add_tokenizer_routes(
+        app, TokenizerContext(engine, state.tools, check_open, admit, blocking, check_images)
+    )
     add_dashboard_routes(app)
     _document_errors(app)
     return app
