@@ -84,7 +84,8 @@ def test_explain_with_images_is_what_the_request_reuses(http: TestClient) -> Non
     got = generate(http, other)["prompt_tokens_details"]["cached_tokens"]
     assert got == changed["cached_tokens"] < again["cached_tokens"]
     # the Anthropic form of the same request: the same prompt, the same answer
-    body = {"model": "model", "max_tokens": 4, "messages": anthropic("Explain this picture: ", 60, 61)}
+    same = anthropic("Explain this picture: ", 60, 61)
+    body = {"model": "model", "max_tokens": 4, "messages": same}
     r = post(http, "/v1/messages/explain", body)
     assert (r["prompt_tokens"], r["cached_tokens"]) == (
         again["prompt_tokens"],
