@@ -54,7 +54,7 @@ from pagedkv.server.http_errors import (
     hidden_error,
     shutting_down,
 )
-from pagedkv.server.images import ImageLimits, attach_images
+from pagedkv.server.images import ImageLimits, ImageMemory, attach_images
 from pagedkv.server.leases import add_lease_routes, openai_leases
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
@@ -123,6 +123,11 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False
     generations: set[Generation] = field(default_factory=set)
+    # Decoded image pixels of all requests in flight (`images.max_memory_bytes`).
+    image_memory: ImageMemory = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.image_memory = ImageMemory(self.images.max_memory_bytes)
 
     def cancel_all(self) -> int:
         """Cancel every generation in flight; returns how many there were."""
@@ -432,7 +437,9 @@ def create_app(
         """Decode the request's images onto their parts; then refuse them if the model
         takes none (after the checks, so a bad image gets its own 400 either way)."""
         takes = takes_images(engine)
-        found = await attach_images(body, state.images, state.render, tenant.salt, keep=takes)
+        found = await attach_images(
+            body, state.images, state.render, tenant.salt, keep=takes, memory=state.image_memory
+        )
         if found and not takes:
             raise bad_request(
                 f"{found[0]}: the served model {state.model_name} does not take images; "
