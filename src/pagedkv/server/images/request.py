@@ -123,7 +123,7 @@ def image_content(parts: list[ContentPart], i: int) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}: a text part needs 'text'", f"{where}.text")
             out.append({"type": "text", "text": part.text})
         elif part.type == IMAGE_PART:
-            if part.image is None:  # a route that does not decode images (/tokenize)
+            if part.image is None:  # not decoded: a caller that skipped attach_images
                 raise bad_request(
                     f"{where}: this route does not take images", part_param(part, i, j)
                 )
