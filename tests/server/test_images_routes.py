@@ -7,6 +7,7 @@ placeholder tokens as the chat route's usage does. Images are sent as data URLs.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,3 +119,11 @@ def test_count_tokens_and_tokenize_count_the_image_tokens(http: TestClient) -> N
     assert counted["input_tokens"] == sent["usage"]["input_tokens"] + sent["usage"].get(
         "cache_read_input_tokens", 0
     )
+
+
+def test_no_decoded_pixels_outlive_the_requests(http: TestClient) -> None:
+    """Run last in this file: every route above dropped its images' pixels, so the
+    server-wide budget (`--max-image-memory-bytes`) is whole again."""
+    gc.collect()
+    memory = http.app.state.pagedkv.image_memory  # type: ignore[attr-defined]
+    assert memory.in_use_bytes == 0 and memory.refused == 0
