@@ -114,7 +114,7 @@ def changed_image(
         if not _same_tokens(pool, lower, history, key, rest):
             continue
         j = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
-        first = ours[j] if j is not None else ours[min(len(ours), len(theirs)) - 1]
+        first = ours[j] if j is not None else ours[min(len(ours) - 1, len(theirs))]
         return list(extra.segments).index(first)
     return None
 
