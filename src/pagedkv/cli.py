@@ -358,9 +358,18 @@ def _add_workload_flags(bench: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--workload",
         action="append",
-        choices=["chat", "agent", "agent-reasoning", "shared-prefix", "restart", "flood"],
-        help="workload to run (repeatable; default: all but agent-reasoning and flood, which "
-        "run only when named; flood: a leased prefix against 20x the RAM tier of other traffic)",
+        choices=[
+            "chat",
+            "agent",
+            "agent-reasoning",
+            "shared-prefix",
+            "restart",
+            "flood",
+            "vision",
+        ],
+        help="workload to run (repeatable; default: all but agent-reasoning, flood and "
+        "vision, which run only when named; flood: a leased prefix against 20x the RAM tier "
+        "of other traffic; vision: chats about 1 to 3 images, needs a model that takes images)",
     )
     g.add_argument(
         "--quick", action="store_true", help="small sizes, minutes not hours (default: full)"

@@ -288,6 +288,14 @@ def add_image_flags(p: argparse.ArgumentParser) -> None:
         help="most images in one chat request; more get 400 (default 8)",
     )
     g.add_argument(
+        "--max-image-memory-bytes",
+        type=int,
+        default=int(env("--max-image-memory-bytes", 1024 * 1024 * 1024)),
+        help="decoded pixels (3 bytes a pixel) of all requests' images in memory at once; "
+        "an image past it gets 503 image_memory_full with Retry-After (default "
+        "1073741824: 1 GiB)",
+    )
+    g.add_argument(
         "--allow-remote-images",
         action="store_true",
         default=env_bool("--allow-remote-images"),
@@ -313,4 +321,5 @@ def image_limits_from_args(args: argparse.Namespace) -> Any:
         max_images=args.max_images_per_request,
         allow_remote=args.allow_remote_images,
         remote_timeout_s=args.remote_image_timeout,
+        max_memory_bytes=args.max_image_memory_bytes,
     )

@@ -232,17 +232,20 @@ def test_anthropic_image_refusals_name_the_field_in_anthropics_shape() -> None:
     assert_answers(c)
 
 
-def test_explain_checks_images_and_tokenize_refuses_them() -> None:
+def test_explain_and_tokenize_check_and_render_images() -> None:
     engine = ImageEngine()
     c = client(engine)
     body = openai_parts(text("look"), image_url(data_url(PNG)))
     bad = openai_parts(text("look"), image_url(data_url(encode(pixels(), "GIF"))))
-    r = c.post("/v1/cache/explain", json=bad)
-    assert r.status_code == 400 and "GIF" in r.json()["error"]["message"]
-    r = c.post("/tokenize", json=body)  # the tokenizer route renders text only
-    error = r.json()["error"]
-    assert r.status_code == 400 and error["param"] == "messages[1].content[1].image_url.url"
-    assert "does not take images" in error["message"]
+    for path in ("/v1/cache/explain", "/tokenize"):
+        r = c.post(path, json=bad)
+        assert r.status_code == 400 and "GIF" in r.json()["error"]["message"], path
+        assert r.json()["error"]["param"] == "messages[1].content[1].image_url.url"
+    r = c.post("/tokenize", json=body)  # rendered as the chat route renders it
+    assert r.status_code == 200, r.text
+    parts = image_parts_of(engine)
+    assert [p["type"] for p in parts] == ["text", "image"]
+    assert isinstance(parts[1]["image"], ImageInput)
 
 
 def test_the_image_flags_defaults_are_image_limits_defaults() -> None:

@@ -1,7 +1,8 @@
 """Images through the chat routes, on a real engine serving the tiny LLaVA: the OpenAI and
 Anthropic routes render image parts through the processor and generate what the engine
-generates for the same conversation; a repeat hits the cache past the image; routes
-that cannot carry images yet refuse them; the vision cache's figures are served.
+generates for the same conversation; a repeat hits the cache past the image; the vision
+cache's figures are served (explain, prewarm and the counting routes with images:
+`test_images_routes.py`).
 
 The image parts are attached here by a stand-in for the request's image parsing (the
 input side, `server/images/`): text `[img N]` in a user message becomes image N."""
@@ -102,11 +103,3 @@ def test_anthropic_messages_with_an_image(engine: Engine, http: TestClient) -> N
     r = http.post("/v1/messages", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["content"][0]["text"] == _direct(engine, USER)
-
-
-def test_routes_without_images_refuse_them(engine: Engine, http: TestClient) -> None:
-    r = http.post("/v1/cache/explain", json={"model": engine.model_name, "messages": USER})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "images_not_supported"
-    text = [{"role": "user", "content": "Only words."}]
-    r = http.post("/v1/cache/explain", json={"model": engine.model_name, "messages": text})
-    assert r.status_code == 200, r.text

@@ -65,10 +65,14 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    flood = "flood" in names
-    names = [n for n in names if n != "flood"]
+    flood, vision = "flood" in names, "vision" in names
+    names = [n for n in names if n not in ("flood", "vision")]
     if flood:
         code = _flood(args, size)
+        if code or not (names or vision):
+            return code
+    if vision:
+        code = _vision(args, size)
         if code or not names:
             return code
     if args.url:
@@ -114,6 +118,44 @@ def _flood(args: argparse.Namespace, size: str) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "flood.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out / 'flood.json'}")
+    return 0
+
+
+def _vision(args: argparse.Namespace, size: str) -> int:
+    """The vision workload (`bench/vision.py`), local only: images go to the engine."""
+    if args.url:
+        print("--workload vision runs a local engine: leave out --url", file=sys.stderr)
+        return 2
+    from pagedkv.bench.vision import (
+        NotAVisionModelError,
+        check_takes_images,
+        format_vision,
+        run_vision,
+    )
+    from pagedkv.flags import cache_config_from_args, scheduler_config_from_args
+
+    adapter = _load_on_a_passing_thread(args)
+    try:
+        check_takes_images(adapter, args.model)
+    except NotAVisionModelError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    base = cache_config_from_args(args)
+    adapter.set_kv_dtype(base.kv_dtype)
+    with tempfile.TemporaryDirectory(prefix="pagedkv-bench-vision-") as tmp:
+        config = dataclasses.replace(
+            base,
+            hash_seed=os.urandom(16),
+            ssd_cache_dir=Path(tmp) if base.ssd_cache_dir is not None else None,
+        )
+        result = run_vision(adapter, size, config, args.seed, scheduler_config_from_args(args))
+    print(format_table([result]))
+    print(format_vision(result))
+    if args.out:
+        out = Path(args.out).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        write_json([result], out / "vision.json")
+        print(f"wrote {out / 'vision.json'}")
     return 0
 
 

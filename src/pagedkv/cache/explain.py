@@ -20,6 +20,8 @@ the last block boundary with a state snapshot (`SnapshotStore.peek`): KV cached
 past it is `below_block` when it is less than a block past that boundary,
 `snapshot_missing` otherwise; a model whose sliding layers' KV is stored apart
 stops before a lower-tier block whose window part no tier has (`evicted`). A
+`new` miss at a block an image starts in, where the cache holds the same tokens
+under another image's key (`cache.segments`), is `image_changed`. A
 `new` or `diverged` miss is then looked for under other roots
 (`cache.elsewhere`): another namespace (`identity_changed`), another tenant's
 salt when the caller may be told (`other_tenant`). The server turns some into
@@ -44,6 +46,7 @@ from pagedkv.cache.elsewhere import IdentityChange, identity_change, other_tenan
 from pagedkv.cache.hashing import ExtraKeys, HashChain
 from pagedkv.cache.history import CacheHistory, Departure, common_prefix
 from pagedkv.cache.pool import BlockPool
+from pagedkv.cache.segments import ImageHistory, changed_image
 from pagedkv.cache.snapshots import SnapshotStore
 from pagedkv.cache.split import WindowSplit
 from pagedkv.cache.tiers import LowerTiers
@@ -62,6 +65,7 @@ Reason = Literal[
     "template_drift",
     "reasoning_stripped",
     "snapshot_missing",
+    "image_changed",
 ]
 REASONS: tuple[Reason, ...] = get_args(Reason)
 TIER_NAMES = ("ram", "ssd", "redis")
@@ -83,6 +87,8 @@ class MissCause:
     cleared_at: float | None = None
     shared_tokens: int = 0
     identity: IdentityChange | None = None
+    # image_changed: the index of the caller's image that differs from the cached one.
+    image_index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +115,8 @@ class LookupParts:
     # prompt does not is `reasoning_stripped` (a yes/no about a fixed marker, compared
     # like the lengths of agreement; the child's tokens never leave).
     think: np.ndarray | None = None
+    # Where images were seen, for `image_changed` (`cache.segments`); None: not kept.
+    images: ImageHistory | None = None
 
 
 def explain_lookup(
@@ -195,6 +203,13 @@ def explain_lookup(
         and _stripped(children, rest, partial, parts.think)
     ):
         miss = MissCause(matched, "reasoning_stripped", None, names)
+    if miss.reason == "new" and partial == 0 and parts.images is not None:
+        k = changed_image(pool, lower, history, parts.images, chain, parts.extra, num_full)
+        if k is not None:
+            return PrefixExplanation(
+                num_prompt, cached, tiers, MissCause(matched, "image_changed", None, names,
+                                                     image_index=k)
+            )  # fmt: skip
     if miss.reason in ("new", "diverged"):
         miss = _elsewhere(pool, lower, parts, tokens, miss)
     return PrefixExplanation(num_prompt, cached, tiers, miss)

@@ -25,6 +25,7 @@ from pagedkv.cache.leases import DEFAULT_MAX_LEASED_FRACTION, LeaseRequest, Leas
 from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
 from pagedkv.cache.prefault import prefault as start_prefault
 from pagedkv.cache.ram import RamBlockStore
+from pagedkv.cache.segments import ImageHistory
 from pagedkv.cache.snapshots import SnapshotStore
 from pagedkv.cache.split import WindowSplit
 from pagedkv.cache.tiers import Found, LowerTiers
@@ -74,6 +75,7 @@ class PrefixCache:
         self.ram_hit_blocks = 0
         self.alloc_failures = 0
         self.history = CacheHistory()
+        self.images = ImageHistory()  # where images were seen, for `image_changed`
         self.leases = LeaseTable(pool)
         self.set_max_leased_fraction(DEFAULT_MAX_LEASED_FRACTION)
         pool.on_evict = self._evicted
@@ -125,12 +127,18 @@ class PrefixCache:
         if chain is None:
             chain = self.hasher.chain(tokens, extra)
         marker = np.asarray(think, dtype=np.int32) if think else None
-        parts = LookupParts(self.snapshots, self.split, extra, tuple(other_tenants), marker)
+        parts = LookupParts(
+            self.snapshots, self.split, extra, tuple(other_tenants), marker, self.images
+        )
         return explain_lookup(self.pool, self.lower, self.history, chain, parts)
 
     def begin(self, tokens: TokenIds, extra: ExtraKeys | None = None) -> RequestCache:
-        """The handle of one request whose prompt is `tokens`; hashes the prompt."""
-        return RequestCache(self, tokens, extra)
+        """The handle of one request whose prompt is `tokens`; hashes the prompt. A
+        prompt with images is recorded where they start (`cache.segments`)."""
+        handle = RequestCache(self, tokens, extra)
+        if extra is not None and extra.segments:
+            self.images.record(handle.chain, self.hasher.root(extra), extra, self.block_size)
+        return handle
 
     # -- shared by the handles ------------------------------------------------
 

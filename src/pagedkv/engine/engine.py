@@ -391,11 +391,12 @@ class Engine:
         cache_salt: str | None = None,
         owner: str | None = None,
         background: bool = False,
+        images: Sequence[ImageSpan] = (),
     ) -> GenerationResult:
         """Compute and cache `prompt`'s KV without generating (see `prewarm_stream`)."""
         result = None
         for event in self.prewarm_stream(
-            prompt, cache_salt=cache_salt, owner=owner, background=background
+            prompt, cache_salt=cache_salt, owner=owner, background=background, images=images
         ):
             result = event.result
         if result is None:
@@ -409,19 +410,24 @@ class Engine:
         cache_salt: str | None = None,
         owner: str | None = None,
         background: bool = False,
+        images: Sequence[ImageSpan] = (),
     ) -> RequestStream:
         """A prefill-only request: its prompt waits, is admitted and prefilled like any
         other (queue bound, KV budget, fair admission by `owner`), then its KV is cached
         and it ends with one finished event, no token, finish_reason "stored":
         `cached_tokens` were found before, `stored_tokens` are held after.
-        `background`: behind every other request (`Scheduler.add`)."""
+        `background`: behind every other request (`Scheduler.add`). `images`: the
+        prompt's images as `render_chat` returned them (their keys are in the blocks')."""
         ids = (
             self.tokenize(prompt)
             if isinstance(prompt, str)
             else _check_ids(prompt, self.vocab_size)
         )
         params = SamplingParams(max_tokens=1, temperature=0.0)
-        req = self._submit(ids, params, cache_salt, owner, prefill_only=True, background=background)
+        req = self._submit(
+            ids, params, cache_salt, owner, prefill_only=True, background=background,
+            images=tuple(images),
+        )  # fmt: skip
         return RequestStream(req)
 
     def store_next_turn(
@@ -442,17 +448,30 @@ class Engine:
         background prefill-only request for it; returns what was found and done, None
         when the policy is off. `follow`: the next message's role, "tool" after a tool
         call (a template keeps the reasoning of the current tool loop), else "user".
-        Renders on the calling thread; never blocks on the worker."""
+        A conversation with images is rendered as `render_chat` renders it, and the
+        stored form carries its images' keys. Renders on the calling thread; never
+        blocks on the worker."""
         if not self.reasoning.active or self.prefix is None:
             return None
-        render = functools.partial(self.apply_chat_template, tools=tools)
+        rendered: list[ImagePrompt] = []
+
+        def render(conversation: list[dict[str, Any]]) -> list[int]:
+            rendered.append(self.render_chat(conversation, tools))
+            return rendered[-1].token_ids
+
         ids = reasoning.next_turn_ids(render, messages, follow)
+        # The images lie in earlier messages, before the cut: their spans and keys are
+        # the next request's own (the same pixels, the same processor, the same places).
+        images = tuple(span for span in rendered[0].images if span.end <= len(ids))
         shared = reasoning.common_prefix(ids, computed)
         if shared >= len(ids) or len(ids) >= self.max_context:
             return NextTurn(len(ids), shared, submitted=False)
         params = SamplingParams(max_tokens=1, temperature=0.0)
         try:
-            self._submit(ids, params, cache_salt, owner, prefill_only=True, background=True)
+            self._submit(
+                ids, params, cache_salt, owner, prefill_only=True, background=True,
+                images=images,
+            )  # fmt: skip
         except PagedKVError as exc:  # a full queue or budget: the next turn recomputes it
             log.info("next-turn storing skipped: %s", exc)
             return NextTurn(len(ids), shared, submitted=False)
@@ -566,13 +585,16 @@ class Engine:
         cache_salt: str | None = None,
         other_salts: Sequence[str] = (),
         lora: str | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> CacheExplanation:
         """What a request for `prompt` with `cache_salt` would reuse if sent now, and the
         cause of its first recomputed token. Hashes and looks up; never runs the model,
         takes no block and changes no counter. Runs on the calling thread, not the
         worker's (see `pagedkv.cache.explain` for why that is safe). `other_salts`:
         other tenants' salts whose holding this prefix the caller may learn (the
-        `other_tenant` reason; the server passes them to admin keys only)."""
+        `other_tenant` reason; the server passes them to admin keys only). `images`: the
+        prompt's images as `render_chat` returned them: their keys are looked up as the
+        request's own (`image_changed` names one that differs from what is cached)."""
         ids = (
             self.tokenize(prompt)
             if isinstance(prompt, str)
@@ -580,13 +602,18 @@ class Engine:
         )
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
+        images = tuple(images)
+        if images:
+            self._check_images(ids, images)
         if self.prefix is None:
             return caching_off(len(ids), self.caching_off_reason)
         held = None if lora is None else self.adapters.acquire(lora)
         if held is not None:
             self.adapters.release(held)
-        extra = _extra_keys(cache_salt, held)
-        others = [_extra_keys(s, held) for s in dict.fromkeys(other_salts) if s != cache_salt]
+        extra = _extra_keys(cache_salt, held, images)
+        others = [
+            _extra_keys(s, held, images) for s in dict.fromkeys(other_salts) if s != cache_salt
+        ]
         exp = self.prefix.explain(
             ids, extra, other_tenants=[e for e in others if e is not None], think=self._think_ids
         )

@@ -123,6 +123,13 @@ def _detail(m: MissCause, tokens: Sequence[int], decode: Callable[[Sequence[int]
         )
     if m.reason == "identity_changed":
         return _identity(m)
+    if m.reason == "image_changed":
+        return (
+            f"image {m.image_index} of this prompt differs from the one an earlier prompt "
+            f"sent at the same place: the cache holds these tokens from token {i} (after "
+            f"{before!r}) with another image's key, and KV computed over other pixels is "
+            "never reused; the same image (the same decoded pixels) would hit"
+        )
     if m.reason == "other_tenant":
         return (
             f"another tenant's requests cached this prompt past token {i}; tenants never "

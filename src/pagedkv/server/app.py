@@ -40,7 +40,7 @@ from pagedkv.server.adapters import ModelNames, add_adapter_routes
 from pagedkv.server.anthropic import MessagesContext, add_messages_routes
 from pagedkv.server.auth import KeyRing, Tenant
 from pagedkv.server.authn import AuthMiddleware, TenantDep
-from pagedkv.server.chat_images import chat_renderer, takes_images, template_ids, text_only
+from pagedkv.server.chat_images import chat_renderer, takes_images, template_ids
 from pagedkv.server.dashboard import Dashboard, add_dashboard_routes
 from pagedkv.server.drift import RenderMemory
 from pagedkv.server.engine_api import EngineAPI
@@ -54,7 +54,7 @@ from pagedkv.server.http_errors import (
     hidden_error,
     shutting_down,
 )
-from pagedkv.server.images import ImageLimits, attach_images
+from pagedkv.server.images import ImageLimits, ImageMemory, attach_images
 from pagedkv.server.leases import add_lease_routes, openai_leases
 from pagedkv.server.limits import KeyShare, RequestLimits, RequestLimitsMiddleware, ShareHeld
 from pagedkv.server.metrics import ServerMetrics, stats_json
@@ -123,6 +123,11 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     closing: bool = False
     generations: set[Generation] = field(default_factory=set)
+    # Decoded image pixels of all requests in flight (`images.max_memory_bytes`).
+    image_memory: ImageMemory = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.image_memory = ImageMemory(self.images.max_memory_bytes)
 
     def cancel_all(self) -> int:
         """Cancel every generation in flight; returns how many there were."""
@@ -278,9 +283,9 @@ def create_app(
                 state.dashboard.finished(REQUEST_ID.get(), tenant.label, results)
             # The next turn's form is stored with the base model's weights: an adapter's
             # turn is left to its next request (its KV would be keyed to the base).
-            # A turn with images is left to its next request too: the next-turn render
-            # (`AfterTurn`) carries no images.
-            turn = gen.done and len(results) == 1 and lora is None and not images
+            # A turn with images is stored too: its messages keep their decoded images,
+            # which the next-turn render keys as the next request will.
+            turn = gen.done and len(results) == 1 and lora is None
             if isinstance(body, ChatCompletionRequest) and turn:
                 message = history_message(results[0], tools)
                 after_turn.finished(body, ids, results[0], message, salt, tenant.salt)
@@ -401,20 +406,14 @@ def create_app(
 
     async def prompt_only(
         body: ChatCompletionRequest, tenant: Tenant
-    ) -> tuple[list[int], ToolMode | None]:
-        """The prompt of a request that only looks at it (explain, count_tokens): rendered
-        under one sequence of the key's share, and refused past the model's context."""
+    ) -> tuple[ImagePrompt, ToolMode | None]:
+        """The prompt of a request that only looks at it (explain, count_tokens), its
+        images' spans included: rendered under one sequence of the key's share, and
+        refused past the model's context."""
         with admit(tenant, 1):
-            ids, mode = await chat_prompt(body, tenant)
-        check_prompt_fits(len(ids), engine.max_context, "messages")
-        return ids, mode
-
-    async def chat_prompt(
-        body: ChatCompletionRequest, tenant: Tenant, remember: bool = False
-    ) -> tuple[list[int], ToolMode | None]:
-        """`chat_render` for a route that carries no images: one holding images is a 400."""
-        prompt, mode = await chat_render(body, tenant, remember)
-        return text_only(prompt, "this route"), mode
+            prompt, mode = await chat_render(body, tenant)
+        check_prompt_fits(len(prompt.token_ids), engine.max_context, "messages")
+        return prompt, mode
 
     async def chat_render(
         body: ChatCompletionRequest, tenant: Tenant, remember: bool = False
@@ -438,7 +437,9 @@ def create_app(
         """Decode the request's images onto their parts; then refuse them if the model
         takes none (after the checks, so a bad image gets its own 400 either way)."""
         takes = takes_images(engine)
-        found = await attach_images(body, state.images, state.render, tenant.salt, keep=takes)
+        found = await attach_images(
+            body, state.images, state.render, tenant.salt, keep=takes, memory=state.image_memory
+        )
         if found and not takes:
             raise bad_request(
                 f"{found[0]}: the served model {state.model_name} does not take images; "
@@ -480,7 +481,7 @@ def create_app(
                 "model",
             )
 
-    add_prewarm_route(app, PrewarmContext(engine, state.model_name, check_base, chat_prompt, admit))
+    add_prewarm_route(app, PrewarmContext(engine, state.model_name, check_base, chat_render, admit))
     add_adapter_routes(app, engine, models, check_admin)
 
     @app.post("/v1/cache/explain", responses=ERRORS)
@@ -508,7 +509,6 @@ def create_app(
         MessagesContext(
             model_name=state.model_name,
             check_open=check_open,
-            chat_prompt=chat_prompt,
             chat_render=chat_render,
             prompt_only=prompt_only,
             admit=admit,
@@ -520,7 +520,9 @@ def create_app(
         ),
     )
     blocking = functools.partial(_blocking, pool=state.render)
-    add_tokenizer_routes(app, TokenizerContext(engine, state.tools, check_open, admit, blocking))
+    add_tokenizer_routes(
+        app, TokenizerContext(engine, state.tools, check_open, admit, blocking, check_images)
+    )
     add_dashboard_routes(app)
     _document_errors(app)
     return app

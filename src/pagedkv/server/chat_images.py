@@ -6,8 +6,9 @@ message holding images (attached by the request's image parsing) a list of
 `{"type": "text", "text": ...}` and `{"type": "image", "image": ImageInput}` parts.
 A model that takes images renders every conversation through its processor, with or
 without images, so a text-only first turn and its next turn with an image share their
-prefix. A route that cannot carry images to the engine yet (explain, prewarm,
-count_tokens, /tokenize) refuses them with a 400 rather than answer for another prompt."""
+prefix. Every route that renders a conversation (the chat routes, explain, prewarm,
+count_tokens, /tokenize) renders it here, so each answers for the prompt, images and
+their keys included, that the chat route would run."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedkv.model.vision import ImagePrompt
-from pagedkv.server.http_errors import bad_request
 
 Messages = list[dict[str, Any]]
 
@@ -45,15 +45,3 @@ def template_ids(engine: Any) -> Callable[[Sequence[dict[str, Any]], Any], list[
         return lambda messages, tools: list(engine.render_chat(messages, tools).token_ids)
     render: Callable[[Sequence[dict[str, Any]], Any], list[int]] = engine.apply_chat_template
     return render
-
-
-def text_only(prompt: ImagePrompt, route: str) -> list[int]:
-    """The prompt's ids, or a 400 when it holds images that `route` cannot carry."""
-    if prompt.images:
-        raise bad_request(
-            f"messages: {route} does not take images yet; send the conversation "
-            "without its image parts, or to /v1/chat/completions or /v1/messages",
-            "messages",
-            code="images_not_supported",
-        )
-    return prompt.token_ids

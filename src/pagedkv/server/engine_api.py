@@ -12,6 +12,7 @@ from pagedkv.engine.request import GenerationResult, StreamEvent
 from pagedkv.engine.sampling import SamplingParams
 from pagedkv.engine.stats import EngineStats
 from pagedkv.model.generation_defaults import SamplingDefaults
+from pagedkv.model.vision import ImageSpan
 
 
 class EngineAPI(Protocol):
@@ -61,6 +62,7 @@ class EngineAPI(Protocol):
         owner: str | None = None,
         lora: str | None = None,
         leases: Sequence[LeaseRequest] = (),
+        images: Sequence[ImageSpan] = (),
     ) -> Iterator[StreamEvent]: ...
 
     def prewarm(
@@ -70,6 +72,7 @@ class EngineAPI(Protocol):
         cache_salt: str | None = None,
         owner: str | None = None,
         background: bool = False,
+        images: Sequence[ImageSpan] = (),
     ) -> GenerationResult: ...
 
     def store_next_turn(
@@ -110,6 +113,7 @@ class EngineAPI(Protocol):
         cache_salt: str | None = None,
         other_salts: Sequence[str] = (),
         lora: str | None = None,
+        images: Sequence[ImageSpan] = (),
     ) -> CacheExplanation: ...
 
     def close(self, timeout: float = 20.0) -> None: ...

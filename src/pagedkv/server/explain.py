@@ -23,6 +23,7 @@ from typing import Any
 from anyio import to_thread
 from pydantic import ConfigDict
 
+from pagedkv.model.vision import ImagePrompt
 from pagedkv.server.auth import Tenant
 from pagedkv.server.drift import STRIDE, RenderMemory
 from pagedkv.server.engine_api import EngineAPI
@@ -36,7 +37,9 @@ from pagedkv.server.tools.output import ToolMode
 from pagedkv.server.tools.request import template_tools
 from pagedkv.server.unknown_fields import refuse_unknown_fields
 
-PromptOnly = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
+PromptOnly = Callable[
+    [ChatCompletionRequest, Tenant], Awaitable[tuple[ImagePrompt, ToolMode | None]]
+]
 # A section of the chat form's prompt as the caller's own API names it.
 SectionMap = Callable[[PromptSection | None], PromptSection | None]
 
@@ -92,7 +95,8 @@ class Explainer:
         sections: SectionMap | None = None,
     ) -> dict[str, Any]:
         lora = self.adapter_of(body.model) if self.adapter_of is not None else None
-        ids, _ = await self.prompt_only(body, tenant)
+        prompt, _ = await self.prompt_only(body, tenant)
+        ids = prompt.token_ids
         salt = tenant.cache_salt(body.cache_salt)
         others: Sequence[str] = ()
         if tenant.is_admin and self.other_salts is not None:
@@ -100,7 +104,12 @@ class Explainer:
         try:
             answer = await to_thread.run_sync(
                 functools.partial(
-                    self.engine.explain, ids, cache_salt=salt, other_salts=others, lora=lora
+                    self.engine.explain,
+                    ids,
+                    cache_salt=salt,
+                    other_salts=others,
+                    lora=lora,
+                    images=prompt.images,
                 )
             )
         except ValueError as exc:

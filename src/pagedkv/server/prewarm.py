@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from pagedkv.engine.request import GenerationResult
+from pagedkv.model.vision import ImagePrompt
 from pagedkv.server.anthropic.convert import to_chat_request
 from pagedkv.server.anthropic.explain import (
     MessagesExplainRequest,
@@ -50,7 +51,10 @@ from pagedkv.server.unknown_fields import refuse_unknown_fields
 
 log = logging.getLogger(__name__)
 
-ChatPrompt = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
+# The request's prompt with its images' spans (`app.chat_render`).
+ChatRender = Callable[
+    [ChatCompletionRequest, Tenant], Awaitable[tuple[ImagePrompt, ToolMode | None]]
+]
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class PrewarmContext:
     engine: EngineAPI
     model_name: str
     check_open: Callable[[str | None], None]
-    chat_prompt: ChatPrompt  # the caller holds the key's share
+    chat_render: ChatRender  # the caller holds the key's share
     admit: Callable[[Tenant, int], ShareHeld]
 
 
@@ -70,10 +74,13 @@ def add_prewarm_route(app: FastAPI, ctx: PrewarmContext) -> None:
         chat = _chat_body(request, await _json(request))
         ctx.check_open(chat.model)
         with ctx.admit(tenant, 1):
-            ids, _ = await ctx.chat_prompt(chat, tenant)
-            check_prompt_fits(len(ids), ctx.engine.max_context, "messages")
+            prompt, _ = await ctx.chat_render(chat, tenant)
+            check_prompt_fits(len(prompt.token_ids), ctx.engine.max_context, "messages")
             salt = tenant.cache_salt(chat.cache_salt)
-            run = functools.partial(ctx.engine.prewarm, ids, cache_salt=salt, owner=tenant.salt)
+            run = functools.partial(
+                ctx.engine.prewarm, prompt.token_ids, cache_salt=salt, owner=tenant.salt,
+                images=prompt.images,
+            )  # fmt: skip
             try:
                 result: GenerationResult = await to_thread.run_sync(run)
             except Exception as exc:

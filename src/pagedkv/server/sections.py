@@ -36,6 +36,7 @@ from typing import Any, Literal
 import numpy as np
 
 from pagedkv.engine.reasoning import common_prefix
+from pagedkv.server.chat_images import template_ids
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.prepare import chat_messages
 from pagedkv.server.protocol import ChatCompletionRequest
@@ -174,8 +175,7 @@ def request_section(
     """`locate_section` for a chat request whose prompt the route built; blocking
     (template renders): run it on a thread."""
     messages, tools = chat_messages(body), template_tools(body)
-    render = engine.apply_chat_template
-    return locate_section(render, messages, tools, prompt, len(prompt), index)
+    return locate_section(template_ids(engine), messages, tools, prompt, len(prompt), index)
 
 
 def message_end(
@@ -184,7 +184,7 @@ def message_end(
     """Where message `message_index` of a chat request ends in its prompt (the render of
     the messages up to it, compared with the prompt); blocking: run it on a thread."""
     messages, tools = chat_messages(body), template_tools(body)
-    return end_of_messages(engine.apply_chat_template, messages, tools, prompt, message_index + 1)
+    return end_of_messages(template_ids(engine), messages, tools, prompt, message_index + 1)
 
 
 def end_of_messages(

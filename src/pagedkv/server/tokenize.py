@@ -3,8 +3,10 @@
 Tokenize takes text (`prompt`) or a conversation (`messages`, with `tools` and
 `add_generation_prompt`) and answers the ids the model would see: a
 conversation is rendered by the same code as `/v1/chat/completions`
-(`chat_messages`, `template_tools`, `tool_mode`'s refusals), so `count` equals
-that route's `usage.prompt_tokens` for the same messages. Detokenize answers
+(`chat_messages`, `template_tools`, `tool_mode`'s refusals, its images decoded and,
+for a model that takes images, rendered by its processor with each image's
+placeholder tokens), so `count` equals that route's `usage.prompt_tokens` for the
+same messages. Detokenize answers
 the text of ids, special tokens kept, as vLLM's does. Neither generates or
 checks the prompt against the context: `max_model_len` is in the answer so the
 client can.
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.server.auth import Tenant
 from pagedkv.server.authn import TenantDep
+from pagedkv.server.chat_images import takes_images
 from pagedkv.server.engine_api import EngineAPI
 from pagedkv.server.http_errors import bad_request
 from pagedkv.server.limits import ShareHeld
@@ -108,6 +111,9 @@ class TokenizerContext:
     check_open: Callable[[str | None], None]
     admit: Callable[[Tenant, int], ShareHeld]
     blocking: Blocking
+    # Decodes the request's images onto their parts (`app.check_images`): a model that
+    # takes images counts each image's placeholder tokens as the chat route does.
+    attach_images: Callable[[ChatCompletionRequest, Tenant], Awaitable[None]]
 
 
 def add_tokenizer_routes(app: FastAPI, ctx: TokenizerContext) -> None:
@@ -154,11 +160,20 @@ def add_tokenizer_routes(app: FastAPI, ctx: TokenizerContext) -> None:
         # The chat route's own steps, so the ids (and refusals) are that route's.
         chat = ChatCompletionRequest.model_construct(messages=body.messages, tools=body.tools)
         tool_mode(chat, ctx.tools)  # refuses tools the model's template cannot take
-        render = functools.partial(
-            engine.apply_chat_template,
-            tools=template_tools(chat),
-            add_generation_prompt=body.add_generation_prompt,
-        )
+        await ctx.attach_images(chat, tenant)
+        tools, generation = template_tools(chat), body.add_generation_prompt
+        render: Callable[[list[dict[str, Any]]], list[int]]
+        if takes_images(engine):
+
+            def render(messages: list[dict[str, Any]]) -> list[int]:
+                vlm: Any = engine  # `Engine.render_chat`; a text-only double has none
+                prompt = vlm.render_chat(messages, tools, add_generation_prompt=generation)
+                return prompt.token_ids
+
+        else:
+            render = functools.partial(
+                engine.apply_chat_template, tools=tools, add_generation_prompt=generation
+            )
         return await ctx.blocking(
             render, chat_messages(chat), what="the chat template", owner=tenant.salt
         )

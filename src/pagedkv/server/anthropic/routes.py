@@ -57,13 +57,12 @@ STREAMS: dict[int | str, dict[str, Any]] = {
         "content": {"text/event-stream": {"schema": {"type": "string"}}},
     },
 }
-ChatPrompt = Callable[
-    [ChatCompletionRequest, Tenant, bool], Awaitable[tuple[list[int], ToolMode | None]]
-]
 ChatRender = Callable[
     [ChatCompletionRequest, Tenant, bool], Awaitable[tuple[ImagePrompt, ToolMode | None]]
 ]
-PromptOnly = Callable[[ChatCompletionRequest, Tenant], Awaitable[tuple[list[int], ToolMode | None]]]
+PromptOnly = Callable[
+    [ChatCompletionRequest, Tenant], Awaitable[tuple[ImagePrompt, ToolMode | None]]
+]
 StartGeneration = Callable[..., Awaitable[Generation]]
 Explain = Callable[[ChatCompletionRequest, Tenant, SectionMap], Awaitable[dict[str, Any]]]
 
@@ -72,8 +71,7 @@ Explain = Callable[[ChatCompletionRequest, Tenant, SectionMap], Awaitable[dict[s
 class MessagesContext:
     model_name: str
     check_open: Callable[[str | None], None]
-    chat_prompt: ChatPrompt  # the caller holds the key's share
-    chat_render: ChatRender  # as chat_prompt, with the images' spans (`server/chat_images.py`)
+    chat_render: ChatRender  # the prompt with its images' spans; the caller holds the share
     prompt_only: PromptOnly  # takes the share itself; refuses prompts past the context
     admit: Callable[[Tenant, int], ShareHeld]
     start_generation: StartGeneration  # (request, body, ids, tenant, arrived, held, tools)
@@ -136,8 +134,8 @@ def add_messages_routes(app: FastAPI, ctx: MessagesContext) -> None:
             "an Anthropic count_tokens body",
             allow=MessagesRequest.model_fields.keys(),
         )
-        ids, _ = await ctx.prompt_only(to_chat_request(body), tenant)
-        return JSONResponse({"input_tokens": len(ids)})
+        prompt, _ = await ctx.prompt_only(to_chat_request(body), tenant)
+        return JSONResponse({"input_tokens": len(prompt.token_ids)})
 
     @app.post("/v1/messages/explain", tags=["anthropic"], responses=ERRORS)
     async def explain(body: MessagesExplainRequest, tenant: TenantDep) -> Response:

@@ -24,6 +24,7 @@ from PIL import Image, ImageOps
 
 from pagedkv.model.images import ImageInput, image_from_pixels
 from pagedkv.server.http_errors import APIError, bad_request
+from pagedkv.server.images.budget import ImageMemory
 from pagedkv.server.images.limits import ImageLimits
 
 ACCEPTED = "PNG, JPEG or WebP"
@@ -63,8 +64,12 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
-def decode_image(data: bytes, limits: ImageLimits, param: str) -> ImageInput:
-    """Decode `data` to RGB pixels and their digest, or raise APIError(400) naming `param`."""
+def decode_image(
+    data: bytes, limits: ImageLimits, param: str, memory: ImageMemory | None = None
+) -> ImageInput:
+    """Decode `data` to RGB pixels and their digest, or raise APIError(400) naming `param`.
+    `memory`: the server's budget of decoded pixels, reserved from the header's size
+    before decoding and held until the pixels are freed (503 when it is full)."""
     if len(data) > limits.max_bytes:
         raise _refuse(
             f"the image is {len(data)} bytes, over this server's {limits.max_bytes} "
@@ -82,9 +87,19 @@ def decode_image(data: bytes, limits: ImageLimits, param: str) -> ImageInput:
             image = Image.open(io.BytesIO(data), formats=[fmt])
             _check_size(image.size, limits, param)
             _check_still(image, param)
-            image.load()
-            upright = ImageOps.exif_transpose(image) if fmt == "JPEG" else image
-            return image_from_pixels(upright)
+            width, height = image.size
+            held = None if memory is None else memory.reserve(3 * width * height, param)
+            try:
+                image.load()
+                upright = ImageOps.exif_transpose(image) if fmt == "JPEG" else image
+                decoded = image_from_pixels(upright)
+            except BaseException:
+                if held is not None:
+                    held.release()
+                raise
+            if held is not None:
+                held.keep_until_freed(decoded.pixels)
+            return decoded
     except APIError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:

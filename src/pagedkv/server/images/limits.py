@@ -1,7 +1,8 @@
 """What one request's images may cost: bytes, pixels, count, and where they may come from.
 
 The defaults bound one image's decoded RGB pixels to 48 MiB (`max_pixels` x 3 bytes)
-and one request's to `max_images` times that. Inline (data URL, base64) images also
+and one request's to `max_images` times that; all requests' together to
+`max_memory_bytes` (`budget.py`). Inline (data URL, base64) images also
 count toward the body's own limits, `--max-body-bytes` and `--max-content-chars`,
 which are checked first; only a fetched image is bounded by `max_bytes` alone.
 """
@@ -16,6 +17,7 @@ DEFAULT_MAX_IMAGE_SIDE = 8192
 DEFAULT_MAX_IMAGES_PER_REQUEST = 8
 DEFAULT_REMOTE_IMAGE_TIMEOUT_S = 10.0
 MAX_REDIRECTS = 3
+DEFAULT_MAX_IMAGE_MEMORY_BYTES = 1024 * 1024 * 1024  # about 21 images of the largest size
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,8 @@ class ImageLimits:
     allow_remote: bool = False
     remote_timeout_s: float = DEFAULT_REMOTE_IMAGE_TIMEOUT_S
     max_redirects: int = MAX_REDIRECTS
+    # Decoded pixels of all requests in flight together (`budget.ImageMemory`).
+    max_memory_bytes: int = DEFAULT_MAX_IMAGE_MEMORY_BYTES
 
     def __post_init__(self) -> None:
         for name, flag in _FLAGS.items():
@@ -50,4 +54,5 @@ _FLAGS = {
     "max_pixels": "--max-image-pixels",
     "max_side": "--max-image-side",
     "max_images": "--max-images-per-request",
+    "max_memory_bytes": "--max-image-memory-bytes",
 }

@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedkv.model.images import ImageInput
 from pagedkv.server.http_errors import bad_request
+from pagedkv.server.images.budget import ImageMemory
 from pagedkv.server.images.decode import decode_image
 from pagedkv.server.images.fetch import fetch_image
 from pagedkv.server.images.limits import ImageLimits
@@ -79,13 +80,15 @@ async def attach_images(
     pool: RenderPool,
     owner: str | None,
     keep: bool = True,
+    memory: ImageMemory | None = None,
 ) -> list[str]:
     """Decode every image of `body` (fetching remote ones when allowed) and attach it to
     its part; returns the images' field names, in order. Decoding runs on the render
     pool, fairly between keys; a part already attached (a second call) is kept.
     `keep=False` checks the images without keeping their pixels (a model that takes
     none refuses them next: a request of eight small PNGs of 16 MP each would
-    otherwise hold 384 MiB while it waits for its refusal)."""
+    otherwise hold 384 MiB while it waits for its refusal). `memory`: the server's
+    budget of decoded pixels in flight (`budget.ImageMemory`; None: unbounded)."""
     found = image_parts(body, limits)
     for part, param in found:
         if part.image is not None:
@@ -93,18 +96,20 @@ async def attach_images(
         assert part.image_url is not None and part.image_url.url is not None  # checked
         source = image_source(part.image_url.url, limits, param)
         if isinstance(source, InlineImage):
-            image = await pool.run(owner, _decode_inline, source, limits, param)
+            image = await pool.run(owner, _decode_inline, source, limits, param, memory)
         else:
             data = await fetch_image(source.url, limits, param)
-            image = await pool.run(owner, decode_image, data, limits, param)
+            image = await pool.run(owner, decode_image, data, limits, param, memory)
         if keep:
             part.image = image
         del image
     return [param for _, param in found]
 
 
-def _decode_inline(source: InlineImage, limits: ImageLimits, param: str) -> ImageInput:
-    return decode_image(decode_base64(source.base64, param), limits, param)
+def _decode_inline(
+    source: InlineImage, limits: ImageLimits, param: str, memory: ImageMemory | None
+) -> ImageInput:
+    return decode_image(decode_base64(source.base64, param), limits, param, memory)
 
 
 def image_content(parts: list[ContentPart], i: int) -> list[dict[str, Any]]:
@@ -118,7 +123,7 @@ def image_content(parts: list[ContentPart], i: int) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}: a text part needs 'text'", f"{where}.text")
             out.append({"type": "text", "text": part.text})
         elif part.type == IMAGE_PART:
-            if part.image is None:  # a route that does not decode images (/tokenize)
+            if part.image is None:  # not decoded: a caller that skipped attach_images
                 raise bad_request(
                     f"{where}: this route does not take images", part_param(part, i, j)
                 )
