@@ -16,6 +16,9 @@ installed until no running request holds it (`release`).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import threading
 import time
 import typing
@@ -134,11 +137,24 @@ class Adapters:
             self._model.lora_layers.remove(lora)
 
 
+def _yield_cpu() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: a thread's nice value is
+    its own, and threads it starts, its OpenMP team included, inherit it), so a load
+    takes the cores the worker leaves and the running streams keep their pace; elsewhere
+    nothing changes."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 def _off_thread(fn: Callable[[], T]) -> T:
-    """`fn()` on a new thread, which ends when it returns (its OpenMP team with it)."""
+    """`fn()` on a new thread at the lowest CPU priority, which ends when it returns (its
+    OpenMP team with it)."""
     box: list[Any] = []
 
     def run() -> None:
+        _yield_cpu()
         try:
             box.append(fn())
         except BaseException as exc:  # handed back to the caller
