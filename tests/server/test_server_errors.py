@@ -244,7 +244,7 @@ def test_schemathesis_finds_no_server_errors(server: ServerProc, tmp_path: Path)
         str(SCHEMATHESIS), "run", f"{server.url}/openapi.json",
         "--header", f"Authorization: Bearer {KEY}",
         "--checks", "not_a_server_error,status_code_conformance,content_type_conformance",
-        "--phases", "examples,fuzzing", "--max-examples", "30", "--seed", "20261202",
+        "--phases", "examples,fuzzing", "--max-examples", "15", "--seed", "20261202",
         "--workers", "1", "--request-timeout", "30",
         "--suppress-health-check", "all", "--no-shrink",
     ]  # fmt: skip
