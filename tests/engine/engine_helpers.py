@@ -61,12 +61,16 @@ def run_worker(
     prompts: list[list[int]],
     loras: dict[str, str] | None = None,
     adapters: list[str | None] | None = None,
+    image_chats: list[dict[str, Any]] | None = None,
 ) -> list[dict]:
     """Run `engine_worker.py` in a new process; its JSON lines. `loras`: adapters it
-    loads (name: directory); `adapters`: the one each prompt runs with."""
+    loads (name: directory); `adapters`: the one each prompt runs with; `image_chats`:
+    chats about tiny images it renders and runs after the prompts."""
     spec = {"model": str(model), "cache": cache, "prompts": prompts, "max_tokens": 8}
     if loras:
         spec.update(loras=loras, adapters=adapters or [None] * len(prompts))
+    if image_chats:
+        spec.update(image_chats=image_chats)
     out = subprocess.run(
         [sys.executable, str(WORKER), json.dumps(spec)],
         capture_output=True,

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import BS, GREEDY
+from engine_helpers import BS, GREEDY, run_worker
 from fixtures_vision import IMAGE_TOKENS, tiny_image
 
 from pagedkv import CacheConfig, Engine, SamplingParams
@@ -183,21 +183,33 @@ def test_text_model_refuses_images(tiny_llama_dir: Path) -> None:
         assert plain.token_ids == eng.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def test_image_keys_reach_redis(tiny_llava_dir: Path, redis_url: str) -> None:
-    """A second engine (its RAM empty) finds the image prompt's blocks in Redis, and
+@pytest.mark.parametrize("family", ["tiny_llava_dir", "tiny_gemma3_dir", "tiny_qwen2_vl_dir"])
+def test_a_second_process_reuses_image_blocks_from_redis(
+    family: str, request: pytest.FixtureRequest, redis_url: str
+) -> None:
+    """Each family: a chat about an image, computed here, reaches Redis; a second process
+    (its RAM empty, rendering the chat itself) answers it from there as fresh, and
     another image at the same place misses there from the image's block on."""
-    cfg = CacheConfig(block_size=BS, redis_url=redis_url)
-    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as off:
-        a, b = _prompt(off, tiny_image(16)), _prompt(off, tiny_image(17))
-        want = off.generate(a.token_ids, GREEDY, images=a.images).token_ids
-    with Engine.from_pretrained(str(tiny_llava_dir), config=cfg) as eng:
-        eng.generate(a.token_ids, GREEDY, images=a.images)
-    with Engine.from_pretrained(str(tiny_llava_dir), config=cfg) as eng:
-        again = eng.generate(a.token_ids, GREEDY, images=a.images)
-        other = eng.generate(b.token_ids, GREEDY, images=b.images)
-    assert again.token_ids == want and again.tier_hits.get("redis", 0) > 0
-    assert again.cached_tokens >= len(a.token_ids) // BS * BS
-    assert other.cached_tokens == b.images[0].start // BS * BS
+    model = request.getfixturevalue(family)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)  # as engine_worker.py's
+
+    def chat(seed: int) -> list[dict[str, Any]]:
+        parts = [{"type": "text", "text": "Here: "}, {"type": "image", "image": tiny_image(seed)}]
+        return [{"role": "user", "content": parts}]
+
+    with Engine.from_pretrained(str(model), config=_off()) as off:
+        a, b = off.render_chat(chat(16)), off.render_chat(chat(17))
+        want = [off.generate(p.token_ids, params, images=p.images).token_ids for p in (a, b)]
+    cache = {"block_size": BS, "redis_url": redis_url}
+    with Engine.from_pretrained(str(model), config=CacheConfig(**cache)) as eng:
+        eng.generate(a.token_ids, params, images=a.images)
+    chats = [{"text": "Here: ", "seeds": [16]}, {"text": "Here: ", "seeds": [17]}]
+    again, other, _ = run_worker(model, cache, [], image_chats=chats)
+    assert [again["token_ids"], other["token_ids"]] == want
+    assert again["image_starts"] == [a.images[0].start]  # the same rendering there
+    assert again["tier_hits"].get("redis", 0) == again["cached_tokens"]
+    assert again["cached_tokens"] >= (len(a.token_ids) - 1) // BS * BS
+    assert other["cached_tokens"] == b.images[0].start // BS * BS
 
 
 def test_preempted_image_requests_and_n_samples_stay_exact(tiny_llava_dir: Path) -> None:
