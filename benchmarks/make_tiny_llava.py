@@ -3,6 +3,8 @@ DIR` without downloading a model.
 
     python benchmarks/make_tiny_llava.py /tmp/tiny-llava            # the tests' tiny one
     python benchmarks/make_tiny_llava.py /tmp/small-llava --small   # compute-bound sizes
+    python benchmarks/make_tiny_llava.py /tmp/tiny-gemma3 --family gemma3      # the tests'
+    python benchmarks/make_tiny_llava.py /tmp/tiny-qwen2-vl --family qwen2_vl  # tiny others
 
 The default is the tests' tiny LLaVA (`tests/fixtures_vision.py`: 32x32 images, 16
 placeholder tokens, a 64-wide 2-layer Llama): its figures measure the machinery, and a
@@ -19,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import fixtures_vision
-from fixtures_vision import make_tiny_llava
+from fixtures_vision import make_tiny_gemma3, make_tiny_llava, make_tiny_qwen2_vl
 
 
 def make_small_llava(path: Path, seed: int) -> Path:
@@ -56,8 +58,19 @@ def main() -> None:
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--small", action="store_true", help="compute-bound sizes (see above)")
+    parser.add_argument(
+        "--family", choices=("llava", "gemma3", "qwen2_vl", "qwen2_5_vl"), default="llava",
+        help="the tests' tiny model of another family (--small is LLaVA's only)",
+    )  # fmt: skip
     args = parser.parse_args()
-    build = make_small_llava if args.small else make_tiny_llava
+    if args.small and args.family != "llava":
+        parser.error("--small builds a LLaVA only")
+    build = {
+        "llava": make_small_llava if args.small else make_tiny_llava,
+        "gemma3": make_tiny_gemma3,
+        "qwen2_vl": make_tiny_qwen2_vl,
+        "qwen2_5_vl": lambda path, seed: make_tiny_qwen2_vl(path, seed, family="qwen2_5_vl"),
+    }[args.family]
     print(build(Path(args.directory), args.seed))
 
 
