@@ -76,3 +76,25 @@ def test_requests_past_the_budget_get_503_and_the_server_recovers() -> None:
         engine.rendered.clear()  # the fake keeps what it rendered; the server does not
         gc.collect()
         assert memory.in_use_bytes == 0, route
+
+
+def test_refusals_in_a_row_collect_garbage_at_most_once_a_second(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client sending image after image into a full budget must not make the server
+    collect its whole heap on each one."""
+    from pagedkv.server.images import budget
+
+    collections = []
+    monkeypatch.setattr(budget.gc, "collect", lambda: collections.append(1))
+    memory = ImageMemory(ONE)
+    held = memory.reserve(ONE, "held")
+    for _ in range(20):
+        with pytest.raises(APIError):
+            memory.reserve(ONE, "more")
+    assert len(collections) == 1 and memory.refused == 20
+    memory._collected -= budget.COLLECT_EVERY_S  # a second later
+    with pytest.raises(APIError):
+        memory.reserve(ONE, "more")
+    assert len(collections) == 2
+    held.release()

@@ -13,14 +13,16 @@ its body in memory; an image that could never fit is a 400.
 Rejected: releasing at the end of each route, which misses the holders that outlive
 the route (a streaming reply, the next-turn store) and would need every route to
 remember to release. A reservation whose pixels sit in a reference cycle would be
-released only by the garbage collector: a refusal first runs one collection and tries
-again. The processor's own tensors of a rendered image (smaller: the model's input
-size) and the vision cache (`--vision-cache-bytes`) are bounded apart."""
+released only by the garbage collector: a refusal first runs one collection (at most
+one a second) and tries again. The processor's own tensors of a rendered image
+(smaller: the model's input size) and the vision cache (`--vision-cache-bytes`) are
+bounded apart."""
 
 from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -28,6 +30,7 @@ from pagedkv.server.http_errors import APIError, bad_request
 from pagedkv.server.images.limits import DEFAULT_MAX_IMAGE_MEMORY_BYTES
 
 RETRY_AFTER_S = 1
+COLLECT_EVERY_S = 1.0
 
 
 class ImageMemory:
@@ -43,6 +46,7 @@ class ImageMemory:
         self.capacity_bytes = capacity_bytes
         self.in_use_bytes = 0
         self.refused = 0
+        self._collected = -COLLECT_EVERY_S  # when _collect last ran (time.monotonic)
         self._lock = threading.Lock()
 
     def reserve(self, nbytes: int, param: str) -> Reservation:
@@ -56,7 +60,7 @@ class ImageMemory:
                 code="invalid_image",
             )
         if not self._take(nbytes):
-            gc.collect()  # reservations whose pixels are only in a reference cycle
+            self._collect()
             if not self._take(nbytes):
                 with self._lock:
                     self.refused += 1
@@ -71,6 +75,17 @@ class ImageMemory:
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 )
         return Reservation(self, nbytes)
+
+    def _collect(self) -> None:
+        """A garbage collection (reservations whose pixels are only in a reference
+        cycle), at most once per `COLLECT_EVERY_S`: a client sending image after image
+        into a full budget must not make the server collect its whole heap each time."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._collected < COLLECT_EVERY_S:
+                return
+            self._collected = now
+        gc.collect()
 
     def _take(self, nbytes: int) -> bool:
         with self._lock:
