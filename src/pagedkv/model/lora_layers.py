@@ -12,6 +12,9 @@ The model adapter orders a step's chunks so that each adapter's rows are one run
 (`adapter_order`), so a group is one slice: per layer and adapter, two small
 products and one in-place add, no gather or scatter (index_select/index_add_
 measured 10-17 ms a call on a loaded 2-core host, where the whole step took 2 s).
+Layers that read one input (q, k, v; gate, up) share one A product per group: their
+A matrices are stacked and each B zero-padded to the stacked rank (`PreparedLora`),
+and the first sibling's `A x` is kept for the next (`LoraLayers._mid`).
 Grouping was chosen over batched products over all rows at once (every adapter's
 A stacked, each row masked to its own columns, then the stacked B: two products
 a layer whatever the number of adapters), which make a row's sums depend on
@@ -36,7 +39,7 @@ two steps (the pause is measured in `benchmarks/bench_lora.py`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,27 +64,87 @@ class LoraGroup:
     num_rows: int
 
 
+# Layers that read one input in the usual architectures (Llama, Qwen, Mistral, ...): an
+# adapter's A matrices of siblings are stacked into one product, each sibling's B padded
+# with zeros to the stacked rank, so q, k and v cost one A product instead of three.
+_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass(frozen=True, slots=True)
+class LoraProduct:
+    """One layer's products: `A` (stacked with its siblings' when `shared` names their
+    set) and `B * scale` (zero-padded to the stacked rank), packed for oneDNN or not."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    packed: bool
+    shared: str | None = None
+
+
 class PreparedLora:
-    """An adapter's matrices as its layers multiply them: per layer `(A, B * scale,
-    packed)`, packed for oneDNN where the base layer is. Made by `LoraLayers.prepare`
-    on any thread; installing it is a dictionary update."""
+    """An adapter's matrices as its layers multiply them: per layer a `LoraProduct`,
+    packed for oneDNN where the base layer is. Made by `LoraLayers.prepare` on any
+    thread; installing it is a dictionary update.
+
+    Exactness holds as for the unstacked products: each layer's shapes are fixed per
+    adapter, whatever else shares the step, and the packed products round a row alike
+    at every row count but one (`_add_delta`)."""
 
     def __init__(self, lora: LoraWeights, layers: dict[str, torch.nn.Linear]) -> None:
         self.lora = lora
-        self.products: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        self.products: dict[str, LoraProduct] = {}
+        plain: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for path, (a, b) in lora.modules.items():
-            base = layers[path]
-            weight = base.weight
+            weight = layers[path].weight
             dtype = weight.dtype if weight.is_floating_point() else torch.float32
             a = a.to(device=weight.device, dtype=torch.float32)
             b = b.to(device=weight.device, dtype=torch.float32) * lora.scale
-            a, b = a.to(dtype).contiguous(), b.to(dtype).contiguous()
-            packed = isinstance(base, PackedLinear)
+            plain[path] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
+        for members in _sibling_sets(plain, layers):
+            stacked = torch.cat([plain[m][0] for m in members])
+            packed = all(isinstance(layers[m], PackedLinear) for m in members)
+            a = self._pack(stacked, packed)
+            rank = plain[members[0]][0].shape[0]
+            for i, member in enumerate(members):
+                b = plain.pop(member)[1]
+                padded = b.new_zeros(b.shape[0], stacked.shape[0])
+                padded[:, i * rank : (i + 1) * rank] = b
+                self.products[member] = LoraProduct(
+                    a, self._pack(padded, packed), packed, shared=members[0]
+                )
+                if packed:
+                    _warm(a, self.products[member].b, stacked.shape[0], stacked.shape[1])
+        for path, (a, b) in plain.items():
+            packed = isinstance(layers[path], PackedLinear)
+            self.products[path] = LoraProduct(self._pack(a, packed), self._pack(b, packed), packed)
             if packed:
-                a = torch.ops.mkldnn._reorder_linear_weight(a, _PACK_FOR_ROWS)
-                b = torch.ops.mkldnn._reorder_linear_weight(b, _PACK_FOR_ROWS)
-                _warm(a, b, lora.rank, base.in_features)
-            self.products[path] = (a, b, packed)
+                _warm(self.products[path].a, self.products[path].b, lora.rank, a.shape[1])
+
+    @staticmethod
+    def _pack(weight: torch.Tensor, packed: bool) -> torch.Tensor:
+        if not packed:
+            return weight
+        return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
+
+
+def _sibling_sets(
+    plain: dict[str, tuple[torch.Tensor, torch.Tensor]], layers: dict[str, torch.nn.Linear]
+) -> list[tuple[str, ...]]:
+    """Sets of two or more adapted sibling layers (`_SIBLINGS`) under one parent, with
+    the same dtype and in-features, in `_SIBLINGS`' order."""
+    sets = []
+    for names in _SIBLINGS:
+        parents: dict[str, list[str]] = {}
+        for path in plain:
+            parent, _, name = path.rpartition(".")
+            if name in names:
+                parents.setdefault(parent, []).append(path)
+        for members in parents.values():
+            members.sort(key=lambda p: names.index(p.rpartition(".")[2]))
+            kinds = {(plain[m][0].dtype, plain[m][0].shape[1], type(layers[m])) for m in members}
+            if len(members) > 1 and len(kinds) == 1:
+                sets.append(tuple(members))
+    return sets
 
 
 def _warm(a: torch.Tensor, b: torch.Tensor, rank: int, in_features: int) -> None:
@@ -110,6 +173,9 @@ class LoraLayers:
         self._hooked: set[str] = set()
         self._prepared: dict[int, PreparedLora] = {}  # id(LoraWeights) -> its products
         self._groups: Sequence[LoraGroup] = ()
+        # The last shared A product per group: (the input object, its sibling set, mid).
+        # Siblings called one after another on one input reuse it; anything else misses.
+        self._mids: dict[int, tuple[Any, str, torch.Tensor]] = {}
 
     def prepare(self, lora: LoraWeights) -> PreparedLora:
         """`lora`'s products in the model's dtype, packed where its layers are."""
@@ -141,6 +207,7 @@ class LoraLayers:
             yield
         finally:
             self._groups = ()
+            self._mids.clear()
 
     def _hook(self, path: str) -> Any:
         def hook(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
@@ -150,34 +217,54 @@ class LoraLayers:
             flat_x = x.reshape(-1, x.shape[-1])
             flat_y = output.view(-1, output.shape[-1])
             for group in self._groups:
-                products = self._prepared[id(group.lora)].products.get(path)
-                if products is not None:
-                    _add_delta(flat_x, flat_y, group, *products)
+                product = self._prepared[id(group.lora)].products.get(path)
+                if product is not None:
+                    _add_delta(flat_x, flat_y, group, product, self._mid(x, group, product))
             return output
 
         return hook
+
+    def _mid(
+        self, x: Any, group: LoraGroup, product: LoraProduct
+    ) -> Callable[[Callable[[], torch.Tensor]], torch.Tensor]:
+        """`A x` for `group`'s rows: for a sibling, the product its set already computed on
+        this very input, else computed (and kept for the next sibling)."""
+
+        def get(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+            if product.shared is None:
+                return compute()
+            last = self._mids.get(id(group))
+            if last is not None and last[0] is x and last[1] == product.shared:
+                return last[2]
+            mid = compute()
+            self._mids[id(group)] = (x, product.shared, mid)
+            return mid
+
+        return get
 
 
 def _add_delta(
     x: torch.Tensor,
     y: torch.Tensor,
     group: LoraGroup,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    packed: bool,
+    product: LoraProduct,
+    mid_of: Callable[[Callable[[], torch.Tensor]], torch.Tensor],
 ) -> None:
-    """`y[rows] += B (A x[rows])` (B holds the scale)."""
+    """`y[rows] += B (A x[rows])` (B holds the scale); `mid_of` gives `A x[rows]`, shared
+    between siblings."""
     rows = group.rows
     xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
     one = xs.shape[0] == 1
-    if one and packed:
+    if one and product.packed:
         xs = xs.expand(2, -1)  # oneDNN rounds one row on its own; two like every other count
-    if packed:
-        mid = torch.ops.mkldnn._linear_pointwise(xs, a, None, "none", [], "")
-        delta = torch.ops.mkldnn._linear_pointwise(mid, b, None, "none", [], "")
+    if product.packed:
+        mid = mid_of(
+            lambda: torch.ops.mkldnn._linear_pointwise(xs, product.a, None, "none", [], "")
+        )
+        delta = torch.ops.mkldnn._linear_pointwise(mid, product.b, None, "none", [], "")
     else:
-        delta = F.linear(F.linear(xs, a), b)
-    if one and packed:
+        delta = F.linear(mid_of(lambda: F.linear(xs, product.a)), product.b)
+    if one and product.packed:
         delta = delta[:1]
     if isinstance(rows, slice):
         y[rows] += delta
