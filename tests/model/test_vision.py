@@ -72,6 +72,15 @@ def test_image_keys_name_pixels_and_processor_settings(adapter: ModelAdapter) ->
     templated = copy.deepcopy(vision.processor)
     templated.chat_template = "{{ messages }}"
     assert processor_fingerprint(templated) == vision.fingerprint
+    # the same settings through another image processor class (transformers' PIL and
+    # torchvision backends resize to other pixels) are another key
+    other_backend = copy.deepcopy(vision.processor)
+    other_backend.image_processor = copy.deepcopy(vision.processor.image_processor)
+    pil = type(vision.processor.image_processor)
+    torchvision_name = pil.__name__.removesuffix("Pil")  # the class the torchvision backend has
+    other_backend.image_processor.__class__ = type(torchvision_name, (pil,), {})
+    assert other_backend.to_dict() == vision.processor.to_dict()  # its settings say nothing
+    assert processor_fingerprint(other_backend) != vision.fingerprint
 
 
 def test_segments_change_block_keys_from_the_image_block_on(adapter: ModelAdapter) -> None:

@@ -131,8 +131,10 @@ def image_segments(images: Sequence[ImageSpan]) -> tuple[tuple[int, bytes], ...]
 def processor_fingerprint(processor: Any) -> bytes:
     """sha256 of the processor's settings that shape an image's tokens and pixels (its
     image processor's sizes, resampling, normalization; patch size, feature strategy,
-    placeholder token), as canonical JSON."""
+    placeholder token) and its image processor's class (transformers' PIL and torchvision
+    backends share their settings but resize to other pixels), as canonical JSON."""
     fields = {k: v for k, v in processor.to_dict().items() if k not in _NOT_SHAPING}
+    fields["image_processor_class"] = type(getattr(processor, "image_processor", None)).__name__
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).digest()
 
