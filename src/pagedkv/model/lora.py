@@ -13,8 +13,9 @@ worker only installs the result (`model.lora_layers`). Every refusal is an
 features PEFT has that pagedkv does not apply (DoRA, trained biases, extra saved
 modules, per-layer ranks, non-linear targets) are refused, never ignored.
 
-Identity: `LoraWeights.digest` is a SHA-256 of the config fields that reach the
-forward pass and of the weights file's bytes, never the adapter's name; it goes
+Identity: `LoraWeights.digest` is a SHA-256 of a versioned tag (`LORA_DIGEST_TAG`, whose
+version also names how the products are computed), the config fields that reach the
+forward pass and the weights file's bytes, never the adapter's name; it goes
 into every block key's root (`ExtraKeys.adapter`), so a same-name reload with
 other weights, another adapter or the base model never reuses a block.
 """
@@ -39,6 +40,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DEFAULT_MAX_LORA_RANK = 64
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
+LORA_DIGEST_TAG = b"pagedkv-lora-v2\x00"
 # Config fields that do not change what the adapter computes: left out of the digest,
 # so a copied or re-saved adapter keeps its cache.
 _NOT_COMPUTED = ("base_model_name_or_path", "revision", "inference_mode", "task_type")
@@ -118,7 +120,10 @@ def read_lora(
     _check_modules(name, model, modules, targets)
     identity = {k: v for k, v in sorted(config.items()) if k not in _NOT_COMPUTED}
     identity["target_modules"] = sorted(targets)  # PEFT writes a set: any order
-    h = hashlib.sha256(b"pagedkv-lora-v1\x00")
+    # The tag's version also names how the products are computed (`model/lora_layers.py`):
+    # v2 since siblings share one stacked A product, whose rows round otherwise than v1's
+    # separate products, so KV that v1 stored (on SSD, in Redis) is never reused.
+    h = hashlib.sha256(LORA_DIGEST_TAG)
     h.update(json.dumps(identity, sort_keys=True, default=str).encode())
     h.update(b"\x00")
     h.update(raw)
