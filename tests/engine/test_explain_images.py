@@ -12,16 +12,10 @@ from typing import Any
 import pytest
 from engine_helpers import BS, GREEDY
 from fixtures_vision import tiny_image
+from image_helpers import user_turn
 
 from pagedkv import CacheConfig, Engine
 from pagedkv.cache.explain import REASONS
-
-
-def _user(text: str, *images: Any, after: str = " Describe it.") -> dict[str, Any]:
-    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    parts += [{"type": "image", "image": image} for image in images]
-    parts.append({"type": "text", "text": after})
-    return {"role": "user", "content": parts}
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +39,17 @@ def test_explain_with_images_matches_the_request_and_names_the_changed_image(
     eng: Engine,
 ) -> None:
     x, y, z = tiny_image(40), tiny_image(41), tiny_image(42)
-    first, exp = _check(eng, [_user("Two pictures: ", x, y)])
+    first, exp = _check(eng, [user_turn("Two pictures: ", x, y)])
     assert exp.miss is not None and exp.miss.reason == "new"
-    _, again = _check(eng, [_user("Two pictures: ", x, y)])
+    _, again = _check(eng, [user_turn("Two pictures: ", x, y)])
     assert again.cached_tokens == len(first.token_ids) - 1 and again.miss is None
     # the first image swapped: image 0 broke the prefix at its block
-    _, swap0 = _check(eng, [_user("Two pictures: ", z, y)])
+    _, swap0 = _check(eng, [user_turn("Two pictures: ", z, y)])
     assert swap0.miss is not None and swap0.miss.reason == "image_changed"
     assert swap0.cached_tokens == first.images[0].start // BS * BS
     assert "image 0 " in swap0.miss.detail
     # the second image swapped: image 1, later in the prompt
-    _, swap1 = _check(eng, [_user("Two pictures: ", x, z)])
+    _, swap1 = _check(eng, [user_turn("Two pictures: ", x, z)])
     assert swap1.miss is not None and swap1.miss.reason == "image_changed"
     assert "image 1 " in swap1.miss.detail
     assert swap1.cached_tokens == first.images[1].start // BS * BS
@@ -63,12 +57,12 @@ def test_explain_with_images_matches_the_request_and_names_the_changed_image(
 
 def test_other_text_or_another_salt_is_not_image_changed(eng: Engine) -> None:
     x, y = tiny_image(43), tiny_image(44)
-    _check(eng, [_user("Look: ", x)])
+    _check(eng, [user_turn("Look: ", x)])
     # other words before the image: the tokens differ, not the image
-    _, text = _check(eng, [_user("Look here, friend: ", y)])
+    _, text = _check(eng, [user_turn("Look here, friend: ", y)])
     assert text.miss is not None and text.miss.reason != "image_changed"
     # another image under another salt: that salt never saw the first
-    _, salted = _check(eng, [_user("Look: ", y)], salt="tenant-b")
+    _, salted = _check(eng, [user_turn("Look: ", y)], salt="tenant-b")
     assert salted.miss is not None and salted.miss.reason == "new"
     # and a text-only prompt with no image at the miss is never image_changed
     _, plain = _check(eng, [{"role": "user", "content": "No picture at all, just words."}])

@@ -10,84 +10,57 @@ from typing import Any
 import pytest
 from engine_helpers import BS, GREEDY, run_worker
 from fixtures_vision import IMAGE_TOKENS, tiny_image
+from image_helpers import cache_off, image_chat, image_prompt, user_turn
 
 from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.errors import ImagePromptError
 
 
-def _user(text: str, *images: Any, after: str = " Describe it.") -> dict[str, Any]:
-    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    parts += [{"type": "image", "image": image} for image in images]
-    parts.append({"type": "text", "text": after})
-    return {"role": "user", "content": parts}
-
-
-def _off(**kw: Any) -> CacheConfig:
-    return CacheConfig(enable_prefix_caching=False, **kw)
-
-
 def _ram(**kw: Any) -> CacheConfig:
     return CacheConfig(block_size=BS, **kw)
 
 
-def _chat(eng: Engine, turns: list[dict[str, Any]]) -> list[tuple[list[int], int, int]]:
-    """Each turn's greedy answer, cached tokens and prompt length, the answers fed back."""
-    messages: list[dict[str, Any]] = []
-    out = []
-    for turn in turns:
-        messages.append(turn)
-        prompt = eng.render_chat(messages)
-        result = eng.generate(prompt.token_ids, GREEDY, images=prompt.images)
-        out.append((result.token_ids, result.cached_tokens, len(prompt.token_ids)))
-        messages.append({"role": "assistant", "content": eng.decode(result.token_ids)})
-    return out
-
-
 def _turns() -> list[dict[str, Any]]:
     return [
-        _user("Look at this picture: ", tiny_image(1)),
-        _user("And these two, ", tiny_image(2), tiny_image(3), after=" Compare."),
-        _user("Once more the first: ", tiny_image(1)),
+        user_turn("Look at this picture: ", tiny_image(1)),
+        user_turn("And these two, ", tiny_image(2), tiny_image(3), after=" Compare."),
+        user_turn("Once more the first: ", tiny_image(1)),
     ]
 
 
 def test_chat_with_images_cached_equals_fresh(tiny_llava_dir: Path, tmp_path: Path) -> None:
-    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as off:
-        want = _chat(off, _turns())
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cache_off()) as off:
+        want = image_chat(off, _turns())
     with Engine.from_pretrained(str(tiny_llava_dir), config=_ram()) as eng:
-        got = _chat(eng, _turns())
+        got = image_chat(eng, _turns())
         stats = eng.cache_stats().vision
-    assert [g[0] for g in got] == [w[0] for w in want]
+    assert [g.answer for g in got] == [w.answer for w in want]
     # every later turn restores the whole earlier conversation, its images included
-    for (_, cached, _), (_, _, before) in zip(got[1:], got, strict=False):
-        assert cached >= before
+    for turn, before in zip(got[1:], got, strict=False):
+        assert turn.cached_tokens >= before.num_prompt
     # images 1, 2, 3 ran the encoder; image 1 again at turn 3 read its rows from the cache
     assert stats is not None and (stats.encoder_calls, stats.hits) == (3, 1)
     # after a restart the restored images' rows are never needed: turn 3's image alone runs
     ssd = tmp_path / "kv"
     cfg = CacheConfig(block_size=BS, ssd_cache_dir=ssd, ssd_cache_bytes=64 * 2**20)
     with Engine.from_pretrained(str(tiny_llava_dir), config=cfg) as eng:
-        first = _chat(eng, _turns()[:2])
+        first = image_chat(eng, _turns()[:2])
     with Engine.from_pretrained(str(tiny_llava_dir), config=cfg) as eng:
-        again = _chat(eng, _turns())
+        again = image_chat(eng, _turns())
         calls = eng.cache_stats().vision
-    assert [a[0] for a in again] == [w[0] for w in want]
-    assert again[1][1] == first[1][2] - 1  # turn 2's prompt came back from SSD whole
+    assert [a.answer for a in again] == [w.answer for w in want]
+    assert again[1].cached_tokens == first[1].num_prompt - 1  # turn 2's prompt from SSD whole
     assert calls is not None and calls.encoder_calls == 1  # turn 3's image only
 
 
-def _prompt(eng: Engine, *images: Any, text: str = "Here: ") -> Any:
-    return eng.render_chat([_user(text, *images)])
-
-
 def test_another_image_at_the_same_place_misses_from_its_block(tiny_llava_dir: Path) -> None:
-    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as off:
-        b = _prompt(off, tiny_image(5))
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cache_off()) as off:
+        b = image_prompt(off, tiny_image(5))
         want = off.generate(b.token_ids, GREEDY, images=b.images).token_ids
     with Engine.from_pretrained(str(tiny_llava_dir), config=_ram()) as eng:
-        a = _prompt(eng, tiny_image(4))
-        b = _prompt(eng, tiny_image(5))
+        a = image_prompt(eng, tiny_image(4))
+        b = image_prompt(eng, tiny_image(5))
         assert a.token_ids == b.token_ids  # same placeholders, other pixels
         eng.generate(a.token_ids, GREEDY, images=a.images)
         got = eng.generate(b.token_ids, GREEDY, images=b.images)
@@ -102,11 +75,11 @@ def test_another_image_at_the_same_place_misses_from_its_block(tiny_llava_dir: P
 
 def test_the_same_images_swapped_miss_where_they_moved(tiny_llava_dir: Path) -> None:
     x, y = tiny_image(6), tiny_image(7)
-    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as off:
-        b = _prompt(off, y, x)
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cache_off()) as off:
+        b = image_prompt(off, y, x)
         want = off.generate(b.token_ids, GREEDY, images=b.images).token_ids
     with Engine.from_pretrained(str(tiny_llava_dir), config=_ram()) as eng:
-        a, b = _prompt(eng, x, y), _prompt(eng, y, x)
+        a, b = image_prompt(eng, x, y), image_prompt(eng, y, x)
         assert a.token_ids == b.token_ids
         eng.generate(a.token_ids, GREEDY, images=a.images)
         got = eng.generate(b.token_ids, GREEDY, images=b.images)
@@ -119,7 +92,7 @@ def test_two_images_starting_in_one_block_both_key_it(tiny_llava_dir: Path) -> N
     x, y, z = tiny_image(8), tiny_image(9), tiny_image(10)
     cfg = CacheConfig(block_size=32)
     with Engine.from_pretrained(str(tiny_llava_dir), config=cfg) as eng:
-        a, b = _prompt(eng, x, y, text="A:"), _prompt(eng, z, y, text="A:")
+        a, b = image_prompt(eng, x, y, text="A:"), image_prompt(eng, z, y, text="A:")
         assert a.images[1].start < 32 < len(a.token_ids)  # both start in block 0
         eng.generate(a.token_ids, GREEDY, images=a.images)
         assert eng.generate(b.token_ids, GREEDY, images=b.images).cached_tokens == 0
@@ -127,8 +100,8 @@ def test_two_images_starting_in_one_block_both_key_it(tiny_llava_dir: Path) -> N
 
 def test_mixed_batch_equals_each_alone(tiny_llava_dir: Path) -> None:
     text = [3 + (7 * i) % 400 for i in range(45)]
-    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as off:
-        image = _prompt(off, tiny_image(11), tiny_image(12))
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cache_off()) as off:
+        image = image_prompt(off, tiny_image(11), tiny_image(12))
         want_text = off.generate(text, GREEDY).token_ids
         want_image = off.generate(image.token_ids, GREEDY, images=image.images).token_ids
         steps = off.cache_stats().scheduling
@@ -147,11 +120,11 @@ def test_chunks_starting_inside_an_image_equal_the_whole_prompt(tiny_llava_dir: 
     """Prefill chunks of 12 tokens cut each 16-token image; with no encoder-row cache
     every chunk runs the encoder and slices its rows."""
     chunked = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=12)
-    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as off:
-        p = _prompt(off, tiny_image(13), tiny_image(14))
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cache_off()) as off:
+        p = image_prompt(off, tiny_image(13), tiny_image(14))
         want = off.generate(p.token_ids, GREEDY, images=p.images).token_ids
     for cache_bytes, calls in ((0, None), (2**20, 2)):
-        cfg = _off(vision_cache_bytes=cache_bytes)
+        cfg = cache_off(vision_cache_bytes=cache_bytes)
         with Engine.from_pretrained(str(tiny_llava_dir), config=cfg, scheduling=chunked) as eng:
             assert eng.generate(p.token_ids, GREEDY, images=p.images).token_ids == want
             stats = eng.cache_stats().vision
@@ -163,9 +136,9 @@ def test_chunks_starting_inside_an_image_equal_the_whole_prompt(tiny_llava_dir: 
 
 
 def test_vision_cache_hit_skips_the_encoder(tiny_llava_dir: Path) -> None:
-    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as eng:
-        first = _prompt(eng, tiny_image(15))
-        second = _prompt(eng, tiny_image(15), text="Again, the same picture: ")
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cache_off()) as eng:
+        first = image_prompt(eng, tiny_image(15))
+        second = image_prompt(eng, tiny_image(15), text="Again, the same picture: ")
         eng.generate(first.token_ids, GREEDY, images=first.images)
         eng.generate(second.token_ids, GREEDY, images=second.images)
         stats = eng.cache_stats().vision
@@ -175,10 +148,10 @@ def test_vision_cache_hit_skips_the_encoder(tiny_llava_dir: Path) -> None:
 
 
 def test_text_model_refuses_images(tiny_llama_dir: Path) -> None:
-    with Engine.from_pretrained(str(tiny_llama_dir), config=_off()) as eng:
+    with Engine.from_pretrained(str(tiny_llama_dir), config=cache_off()) as eng:
         assert not eng.takes_images
         with pytest.raises(ImagePromptError, match="takes no images"):
-            eng.render_chat([_user("Look: ", tiny_image(1))])
+            eng.render_chat([user_turn("Look: ", tiny_image(1))])
         plain = eng.render_chat([{"role": "user", "content": "hi"}])
         assert plain.token_ids == eng.apply_chat_template([{"role": "user", "content": "hi"}])
 
@@ -197,7 +170,7 @@ def test_a_second_process_reuses_image_blocks_from_redis(
         parts = [{"type": "text", "text": "Here: "}, {"type": "image", "image": tiny_image(seed)}]
         return [{"role": "user", "content": parts}]
 
-    with Engine.from_pretrained(str(model), config=_off()) as off:
+    with Engine.from_pretrained(str(model), config=cache_off()) as off:
         a, b = off.render_chat(chat(16)), off.render_chat(chat(17))
         want = [off.generate(p.token_ids, params, images=p.images).token_ids for p in (a, b)]
     cache = {"block_size": BS, "redis_url": redis_url}
@@ -217,8 +190,8 @@ def test_preempted_image_requests_and_n_samples_stay_exact(tiny_llava_dir: Path)
     from the cache with their images' keys and equal their answers alone; n=2 samples
     of an image prompt fork its KV and decode as one alone does."""
     params = SamplingParams(max_tokens=300, ignore_eos=True)
-    with Engine.from_pretrained(str(tiny_llava_dir), config=_off()) as off:
-        prompts = [_prompt(off, tiny_image(30 + i), text=f"Picture {i}: ") for i in range(4)]
+    with Engine.from_pretrained(str(tiny_llava_dir), config=cache_off()) as off:
+        prompts = [image_prompt(off, tiny_image(30 + i), text=f"Picture {i}: ") for i in range(4)]
         want = [off.generate(p.token_ids, params, images=p.images).token_ids for p in prompts]
         per_token = off.adapter.kv_bytes_per_token
     # two requests start (prompt + 256 tokens each) but cannot both grow to their 300

@@ -12,85 +12,57 @@ from typing import Any
 import pytest
 from engine_helpers import BS, GREEDY
 from fixtures_vision import GEMMA_IMAGE_TOKENS, tiny_image
+from image_helpers import cache_off, image_chat, image_prompt, user_turn
 
 from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.errors import ImagePromptError
 
 
-def _user(text: str, *images: Any, after: str = " Describe it.") -> dict[str, Any]:
-    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    parts += [{"type": "image", "image": image} for image in images]
-    parts.append({"type": "text", "text": after})
-    return {"role": "user", "content": parts}
-
-
-def _off(**kw: Any) -> CacheConfig:
-    return CacheConfig(enable_prefix_caching=False, **kw)
-
-
-def _chat(eng: Engine, turns: list[dict[str, Any]]) -> list[tuple[list[int], int, int]]:
-    """Each turn's greedy answer, cached tokens and where its last image ends, the
-    answers fed back."""
-    messages: list[dict[str, Any]] = []
-    out = []
-    for turn in turns:
-        messages.append(turn)
-        prompt = eng.render_chat(messages)
-        result = eng.generate(prompt.token_ids, GREEDY, images=prompt.images)
-        out.append((result.token_ids, result.cached_tokens, prompt.images[-1].end))
-        messages.append({"role": "assistant", "content": eng.decode(result.token_ids)})
-    return out
-
-
 def _turns() -> list[dict[str, Any]]:
     return [
-        _user("Look at this picture: ", tiny_image(1)),
-        _user("And these two, ", tiny_image(2), tiny_image(3), after=" Compare."),
-        _user("Once more the first: ", tiny_image(1)),
+        user_turn("Look at this picture: ", tiny_image(1)),
+        user_turn("And these two, ", tiny_image(2), tiny_image(3), after=" Compare."),
+        user_turn("Once more the first: ", tiny_image(1)),
     ]
 
 
 @pytest.fixture(scope="module")
 def fresh(tiny_gemma3_dir: Path) -> Any:
     """An engine without prefix caching: the fresh answers, shared by the tests."""
-    with Engine.from_pretrained(str(tiny_gemma3_dir), config=_off()) as off:
+    with Engine.from_pretrained(str(tiny_gemma3_dir), config=cache_off()) as off:
         yield off
 
 
 def test_chat_cached_equals_fresh_in_ram_and_on_ssd(
     tiny_gemma3_dir: Path, fresh: Engine, tmp_path: Path
 ) -> None:
-    want = _chat(fresh, _turns())
+    want = image_chat(fresh, _turns())
     ssd = tmp_path / "kv"
     cfg = CacheConfig(block_size=BS, ssd_cache_dir=ssd, ssd_cache_bytes=64 * 2**20)
     with Engine.from_pretrained(str(tiny_gemma3_dir), config=cfg) as eng:
-        got = _chat(eng, _turns())
-    assert [g[0] for g in got] == [w[0] for w in want]
+        got = image_chat(eng, _turns())
+    assert [g.answer for g in got] == [w.answer for w in want]
     # each turn restores the earlier conversation, its images included (the tiny
     # tokenizer may merge the turn's last tokens with the answer fed back otherwise)
-    for (_, cached, _), (_, _, image_end) in zip(got[1:], got, strict=False):
-        assert cached >= image_end
+    for turn, before in zip(got[1:], got, strict=False):
+        assert turn.cached_tokens >= before.image_end
     with Engine.from_pretrained(str(tiny_gemma3_dir), config=cfg) as eng:
-        again = _chat(eng, _turns())
+        again = image_chat(eng, _turns())
         stats = eng.cache_stats()
-    assert [a[0] for a in again] == [w[0] for w in want]
-    assert again[0][1] >= again[0][2]  # from SSD: RAM starts empty
+    assert [a.answer for a in again] == [w.answer for w in want]
+    assert again[0].cached_tokens >= again[0].image_end  # from SSD: RAM starts empty
     # every turn came back from SSD whole: no image's rows were needed
     assert stats.vision is not None and stats.vision.encoder_calls == 0
-
-
-def _prompt(eng: Engine, *images: Any, text: str = "Here: ") -> Any:
-    return eng.render_chat([_user(text, *images)])
 
 
 def test_another_image_at_the_same_place_misses_from_its_block(
     tiny_gemma3_dir: Path, fresh: Engine
 ) -> None:
-    b = _prompt(fresh, tiny_image(5))
+    b = image_prompt(fresh, tiny_image(5))
     want = fresh.generate(b.token_ids, GREEDY, images=b.images).token_ids
     with Engine.from_pretrained(str(tiny_gemma3_dir), config=CacheConfig(block_size=BS)) as eng:
-        a = _prompt(eng, tiny_image(4))
+        a = image_prompt(eng, tiny_image(4))
         assert a.token_ids == b.token_ids  # same placeholders, other pixels
         eng.generate(a.token_ids, GREEDY, images=a.images)
         got = eng.generate(b.token_ids, GREEDY, images=b.images)
@@ -106,7 +78,7 @@ def test_a_prompt_ending_inside_a_cached_image_is_exact(
     """The second prompt stops at its image's last token: its restore ends inside the
     image (at most `len - 1` tokens are restored) and the last image row is computed
     seeing its image's restored keys."""
-    a = _prompt(fresh, tiny_image(6))
+    a = image_prompt(fresh, tiny_image(6))
     (image,) = a.images
     short = a.token_ids[: image.end]
     want = fresh.generate(short, GREEDY, images=a.images).token_ids
@@ -119,7 +91,7 @@ def test_a_prompt_ending_inside_a_cached_image_is_exact(
 
 def test_mixed_batch_equals_each_alone(fresh: Engine) -> None:
     text = [3 + (7 * i) % 400 for i in range(45)]
-    image = _prompt(fresh, tiny_image(11), tiny_image(12))
+    image = image_prompt(fresh, tiny_image(11), tiny_image(12))
     want_text = fresh.generate(text, GREEDY).token_ids
     want_image = fresh.generate(image.token_ids, GREEDY, images=image.images).token_ids
     s1 = fresh.stream(text, GREEDY)
@@ -134,14 +106,16 @@ def test_chunks_smaller_than_an_image_keep_it_whole(
 ) -> None:
     """A budget of 12 tokens a step, under the 16 of an image: a chunk stops at an
     image's start and the next covers the whole image, past the budget."""
-    p = _prompt(fresh, tiny_image(13), tiny_image(14))
+    p = image_prompt(fresh, tiny_image(13), tiny_image(14))
     want = fresh.generate(p.token_ids, GREEDY, images=p.images).token_ids
     budget = 12 + (2 if deterministic else 0)  # deterministic: prefill_chunk = 14 - 2
     chunked = SchedulerConfig(
         max_num_seqs=2, max_num_batched_tokens=budget, deterministic=deterministic
     )
     assert budget - (2 if deterministic else 0) < GEMMA_IMAGE_TOKENS
-    with Engine.from_pretrained(str(tiny_gemma3_dir), config=_off(), scheduling=chunked) as eng:
+    with Engine.from_pretrained(
+        str(tiny_gemma3_dir), config=cache_off(), scheduling=chunked
+    ) as eng:
         assert eng.generate(p.token_ids, GREEDY, images=p.images).token_ids == want
         text = [3 + (7 * i) % 400 for i in range(30)]
         s1 = eng.stream(text, GREEDY)  # a text prompt beside it shares the steps
@@ -152,7 +126,7 @@ def test_chunks_smaller_than_an_image_keep_it_whole(
 
 def test_spans_of_another_attention_are_refused(fresh: Engine) -> None:
     """Spans that say their tokens attend causally (another family's) are refused."""
-    ours = _prompt(fresh, tiny_image(1))
+    ours = image_prompt(fresh, tiny_image(1))
     causal = [type(s)(s.start, s.end, s.key, s.pixels) for s in ours.images]
     with pytest.raises(ImagePromptError, match="attend causally"):
         fresh.generate(ours.token_ids, GREEDY, images=causal)
@@ -163,7 +137,7 @@ def test_preempted_image_requests_stay_exact(tiny_gemma3_dir: Path, fresh: Engin
     preempted ones resume from the cache with their images whole and equal their
     answers alone."""
     params = SamplingParams(max_tokens=300, ignore_eos=True)  # past the first 256 reserved
-    prompts = [_prompt(fresh, tiny_image(30 + i), text=f"Picture {i}: ") for i in range(3)]
+    prompts = [image_prompt(fresh, tiny_image(30 + i), text=f"Picture {i}: ") for i in range(3)]
     alone = [fresh.stream(p.token_ids, params, images=p.images) for p in prompts]
     want = [[t for e in s for t in e.token_ids] for s in alone]  # batched: equal alone
     longest = max(len(p.token_ids) for p in prompts)

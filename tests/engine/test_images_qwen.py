@@ -14,19 +14,13 @@ import pytest
 import torch
 from engine_helpers import BS, GREEDY
 from fixtures_vision import tiny_image
+from image_helpers import image_chat, image_prompt, user_turn
 
 from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine.scheduler import SchedulerConfig
 from pagedkv.errors import ImagePromptError
 
 WIDE = (50, 20)  # 12 tokens in a 2x6 grid, where the default 40x36 takes a 3x4 one
-
-
-def _user(text: str, *images: Any, after: str = " Describe it.") -> dict[str, Any]:
-    parts: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    parts += [{"type": "image", "image": image} for image in images]
-    parts.append({"type": "text", "text": after})
-    return {"role": "user", "content": parts}
 
 
 @pytest.fixture(scope="module")
@@ -38,46 +32,30 @@ def off(tiny_qwen2_vl_dir: Path) -> Any:
         yield eng
 
 
-def _chat(eng: Engine, turns: list[dict[str, Any]]) -> list[tuple[list[int], int, int]]:
-    messages: list[dict[str, Any]] = []
-    out = []
-    for turn in turns:
-        messages.append(turn)
-        prompt = eng.render_chat(messages)
-        result = eng.generate(prompt.token_ids, GREEDY, images=prompt.images)
-        out.append((result.token_ids, result.cached_tokens, len(prompt.token_ids)))
-        messages.append({"role": "assistant", "content": eng.decode(result.token_ids)})
-    return out
-
-
 def _turns() -> list[dict[str, Any]]:
     return [
-        _user("Look at this picture: ", tiny_image(1)),
-        _user("And these two, ", tiny_image(2, size=WIDE), tiny_image(3), after=" Compare."),
-        _user("Once more the first: ", tiny_image(1)),
+        user_turn("Look at this picture: ", tiny_image(1)),
+        user_turn("And these two, ", tiny_image(2, size=WIDE), tiny_image(3), after=" Compare."),
+        user_turn("Once more the first: ", tiny_image(1)),
     ]
 
 
 def test_chat_with_images_cached_equals_fresh(
     off: Engine, tiny_qwen2_vl_dir: Path, tmp_path: Path
 ) -> None:
-    want = _chat(off, _turns())
+    want = image_chat(off, _turns())
     with Engine.from_pretrained(str(tiny_qwen2_vl_dir), config=CacheConfig(block_size=BS)) as eng:
-        got = _chat(eng, _turns())
-    assert [g[0] for g in got] == [w[0] for w in want]
-    for (_, cached, _), (_, _, before) in zip(got[1:], got, strict=False):
-        assert cached >= before  # each turn restores the whole conversation before it
+        got = image_chat(eng, _turns())
+    assert [g.answer for g in got] == [w.answer for w in want]
+    for turn, before in zip(got[1:], got, strict=False):
+        assert turn.cached_tokens >= before.num_prompt  # each turn restores all before it
     cfg = CacheConfig(block_size=BS, ssd_cache_dir=tmp_path / "kv", ssd_cache_bytes=64 * 2**20)
     with Engine.from_pretrained(str(tiny_qwen2_vl_dir), config=cfg) as eng:
-        first = _chat(eng, _turns()[:2])
+        first = image_chat(eng, _turns()[:2])
     with Engine.from_pretrained(str(tiny_qwen2_vl_dir), config=cfg) as eng:
-        again = _chat(eng, _turns())
-    assert [a[0] for a in again] == [w[0] for w in want]
-    assert again[1][1] == first[1][2] - 1  # turn 2's prompt came back from SSD whole
-
-
-def _prompt(eng: Engine, *images: Any, text: str = "Here: ") -> Any:
-    return eng.render_chat([_user(text, *images)])
+        again = image_chat(eng, _turns())
+    assert [a.answer for a in again] == [w.answer for w in want]
+    assert again[1].cached_tokens == first[1].num_prompt - 1  # turn 2's prompt from SSD whole
 
 
 def test_another_image_or_grid_at_the_same_place_misses_from_its_block(
@@ -89,8 +67,8 @@ def test_another_image_or_grid_at_the_same_place_misses_from_its_block(
     x, y, wide = tiny_image(4), tiny_image(5), tiny_image(6, size=WIDE)
     u, v = tiny_image(12), tiny_image(13, size=WIDE)  # apart: no earlier prompt holds them
     prompts = {
-        "x": _prompt(off, x), "y": _prompt(off, y), "wide": _prompt(off, wide),
-        "u,v": _prompt(off, u, v), "v,u": _prompt(off, v, u),
+        "x": image_prompt(off, x), "y": image_prompt(off, y), "wide": image_prompt(off, wide),
+        "u,v": image_prompt(off, u, v), "v,u": image_prompt(off, v, u),
     }  # fmt: skip
     want = {k: off.generate(p.token_ids, GREEDY, images=p.images).token_ids
             for k, p in prompts.items()}  # fmt: skip
@@ -124,7 +102,7 @@ def test_greedy_answer_equals_transformers_decode(
 
 def _check_greedy_against_transformers(off: Engine) -> None:
 
-    p = _prompt(off, tiny_image(14), tiny_image(15, size=WIDE))
+    p = image_prompt(off, tiny_image(14), tiny_image(15, size=WIDE))
     model = off.adapter.model
     ids = torch.tensor([p.token_ids])
     inputs = {
@@ -143,8 +121,8 @@ def _check_greedy_against_transformers(off: Engine) -> None:
 
 def test_mixed_batch_equals_each_alone(off: Engine) -> None:
     text = [3 + (7 * i) % 400 for i in range(45)]
-    one = _prompt(off, tiny_image(7), tiny_image(8, size=WIDE))
-    two = _prompt(off, tiny_image(9, size=WIDE), text="Another: ")
+    one = image_prompt(off, tiny_image(7), tiny_image(8, size=WIDE))
+    two = image_prompt(off, tiny_image(9, size=WIDE), text="Another: ")
     want = [
         off.generate(text, GREEDY).token_ids,
         off.generate(one.token_ids, GREEDY, images=one.images).token_ids,
@@ -161,7 +139,7 @@ def test_mixed_batch_equals_each_alone(off: Engine) -> None:
 def test_chunks_cut_inside_an_image_equal_the_whole_prompt(
     off: Engine, tiny_qwen2_vl_dir: Path
 ) -> None:
-    p = _prompt(off, tiny_image(10), tiny_image(11, size=WIDE))
+    p = image_prompt(off, tiny_image(10), tiny_image(11, size=WIDE))
     want = off.generate(p.token_ids, GREEDY, images=p.images).token_ids
     chunked = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=5)  # cuts every image
     cfg = CacheConfig(enable_prefix_caching=False)
@@ -177,7 +155,7 @@ def test_preempted_and_forked_image_requests_decode_at_their_offset(
     KV and decode as one alone does."""
     params = SamplingParams(max_tokens=300, ignore_eos=True)
     prompts = [
-        _prompt(off, tiny_image(30 + i, size=WIDE if i % 2 else (40, 36)), text=f"Pic {i}: ")
+        image_prompt(off, tiny_image(30 + i, size=WIDE if i % 2 else (40, 36)), text=f"Pic {i}: ")
         for i in range(2)
     ]
     want = [off.generate(p.token_ids, params, images=p.images).token_ids for p in prompts]
@@ -201,7 +179,7 @@ def test_preempted_and_forked_image_requests_decode_at_their_offset(
 def test_spans_without_their_grid_are_refused(off: Engine) -> None:
     """A span whose position grid is missing or does not cover its tokens would place
     the prompt at other positions than the model's: refused before it is queued."""
-    p = _prompt(off, tiny_image(16))
+    p = image_prompt(off, tiny_image(16))
     (span,) = p.images
     for grid in (None, (1, 2, 2)):
         bad = (dataclasses.replace(span, rope_grid=grid),)
