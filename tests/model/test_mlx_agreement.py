@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.fixtures_models import make_tiny_model
+from fixtures_models import make_tiny_model
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install mlx mlx-lm)")
 mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed (pip install mlx-lm)")
@@ -58,6 +57,13 @@ CASES: dict[str, Case] = {
     "qwen3": Case("qwen3", 1),
     "mistral": Case("mistral", 2),
     "mistral-window16": Case("mistral", 2, {"sliding_window": WINDOW}, agrees=False),
+    # with layer_types naming a full-attention layer mlx-lm honours the window
+    # (transformers then loads the model as Ministral)
+    "mistral-window16-layer-types": Case(
+        "mistral",
+        2,
+        {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
     "qwen2-window16": Case(
         "qwen2",
         1,
@@ -184,4 +190,14 @@ def test_gpt_oss_not_loaded(tmp_path: Path) -> None:
     """mlx-lm refuses transformers' gpt-oss expert weights: the table says "not compared"."""
     model_dir = make_tiny_model(tmp_path / "m", arch="gpt_oss", seed=6)
     with pytest.raises(ValueError, match="experts"):
+        mlx_lm.load(str(model_dir), model_config=mlx_model_config(model_dir))
+
+
+def test_all_sliding_layer_types_not_loaded(tmp_path: Path) -> None:
+    """mlx-lm's llama (which serves mistral) needs one full-attention layer in layer_types."""
+    model_dir = make_tiny_model(
+        tmp_path / "m", arch="mistral", seed=2, sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 2,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="full_attention"):
         mlx_lm.load(str(model_dir), model_config=mlx_model_config(model_dir))
