@@ -13,7 +13,8 @@ decoding yields varied tokens (30+ distinct in 40) and a near-tie that
 float32 rounding could flip (gap below ~1e-5) is a ~1e-5 event per token.
 
 Flavours: `llama` (tokenizer adds a BOS, like Llama), `qwen2` (no BOS, like
-Qwen), `mistral` (no sliding window unless overridden).
+Qwen), `qwen3` (no BOS, q/k norms), `mistral` (no sliding window unless
+overridden), and the other entries of `_ARCH_DEFAULTS`.
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ def make_tiny_tokenizer(add_bos: bool = False, chat_template: str | None = None)
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {"use_sliding_window": False},
+    "qwen3": {"head_dim": 16, "use_sliding_window": False},
     "mistral": {"sliding_window": None},
     # sliding / global alternation: 3 layers sliding, the 4th global
     "gemma3_text": {"num_hidden_layers": 4, "sliding_window_pattern": 4, "head_dim": 16,

@@ -43,6 +43,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 from tqdm import tqdm
@@ -246,11 +247,25 @@ def _quiet_http_clients() -> Iterator[None]:
             logger.setLevel(level)
 
 
+def served_model(ids: Sequence[str], wanted: str) -> str:
+    """The model id to send: `wanted` when the server lists it, or the id it lists for
+    that directory (mlx_lm.server lists its `--model` directory by its resolved path,
+    after every mlx model in the Hugging Face cache); otherwise the first listed."""
+    path = Path(wanted).expanduser()
+    resolved = str(path.resolve()) if path.is_dir() else None
+    for candidate in (wanted, resolved):
+        if candidate is not None and candidate in ids:
+            return candidate
+    if not ids:
+        raise ValueError("the server lists no models")
+    return ids[0]
+
+
 def _run_remote(args: argparse.Namespace, names: Sequence[str], size: str) -> list[dict[str, Any]]:
     api = _Api(args)
     client = api.openai
     try:
-        model = client.models.list().data[0].id
+        model = served_model([m.id for m in client.models.list().data], args.model)
     except Exception:  # a server without /v1/models: trust --model
         model = args.model
     local = _local_renderer(args.model)
