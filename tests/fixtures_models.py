@@ -13,7 +13,7 @@ decoding yields varied tokens (30+ distinct in 40) and a near-tie that
 float32 rounding could flip (gap below ~1e-5) is a ~1e-5 event per token.
 
 Flavours: `llama` (tokenizer adds a BOS, like Llama), `qwen2` (no BOS, like
-Qwen), `mistral` (no sliding window unless overridden).
+Qwen), `qwen3` (no BOS; q/k norms), `mistral` (no sliding window unless overridden).
 """
 
 from __future__ import annotations
@@ -140,6 +140,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {"use_sliding_window": False},
     "mistral": {"sliding_window": None},
+    # q/k norms, no biases, an explicit head_dim
+    "qwen3": {"head_dim": 16, "use_sliding_window": False},
     # sliding / global alternation: 3 layers sliding, the 4th global
     "gemma3_text": {"num_hidden_layers": 4, "sliding_window_pattern": 4, "head_dim": 16,
                     "query_pre_attn_scalar": 16, "sliding_window": 16},

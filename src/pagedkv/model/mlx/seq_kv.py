@@ -1,0 +1,167 @@
+"""One sequence's KV on MLX: mlx-lm's cache objects, one per decoder layer.
+
+A sequence keeps mlx-lm's own `KVCache` per attention layer (the objects its models
+are written against), wrapped so that KV is stored in the engine's `kv_format` and
+attention reads the stored values back, the chunk just computed included: a fresh
+prefill and a restored prefix then attend over the same numbers (`model.kv_format`).
+KV crosses the seam (`model.backend`) as torch CPU tensors `[L, 2, kv_heads, tokens,
+head_dim]`; the conversion copies bytes (`convert`).
+
+`DecodeLayer` puts the decode rows of several sequences into one model call: the
+rows are a batch `[B, 1]`, each at its own position (RoPE takes a vector of offsets),
+and each layer's new keys and values go into each sequence's own cache; attention
+sees every sequence's keys padded with zeros to the longest, and a mask hides the
+padding. Measured on mlx-cpu 0.32.4 (tests/model/test_mlx_backend.py): a sequence's
+logits in such a batch equal its logits alone, bit for bit. Rejected: mlx-lm's
+`BatchKVCache`, which keeps a batch's KV in one left-padded array across steps,
+while the engine's batch changes at every step (sequences join, finish, prefill).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import torch
+from mlx_lm.models.cache import KVCache
+
+from pagedkv.errors import ModelNotSupportedError
+from pagedkv.model.mlx.convert import mx_dtype, to_mx, to_torch
+
+
+class StoredKVCache(KVCache):
+    """mlx-lm's `KVCache` holding KV as `storage` and giving it back as `compute`."""
+
+    def __init__(self, storage: mx.Dtype) -> None:
+        super().__init__()
+        self.storage = storage
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        compute = keys.dtype
+        k, v = super().update_and_fetch(keys.astype(self.storage), values.astype(self.storage))
+        if self.storage == compute:
+            return k, v
+        return k.astype(compute), v.astype(compute)
+
+    def adopt(self, keys: mx.array, values: mx.array) -> None:
+        """Hold exactly these `[1, kv_heads, tokens, head_dim]` as its first tokens."""
+        self.keys, self.values, self.offset = keys, values, int(keys.shape[2])
+
+
+class MlxSeqKV:
+    """A sequence's KV: `caches[i]` is decoder layer i's mlx-lm cache object, and the
+    attention layers' caches (`kv_layers`) are `StoredKVCache`s. `capacity` is the
+    room the worker budgets; MLX arrays grow by themselves, so it is only recorded.
+    Restored KV is written into a torch buffer (`restore_target`) and copied into
+    MLX arrays once, in `set_restored`."""
+
+    def __init__(
+        self,
+        caches: list[Any],
+        kv_layers: tuple[int, ...],
+        storage: torch.dtype,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+    ) -> None:
+        self.caches = caches
+        self.kv_layers = kv_layers
+        self.storage = storage
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self._capacity = capacity
+        self._target: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV the sequence holds."""
+        return int(self.caches[self.kv_layers[0]].offset) if self.kv_layers else 0
+
+    def restore_target(self) -> torch.Tensor:
+        if self._target is None:
+            shape = (len(self.kv_layers), 2, self.num_kv_heads, self._capacity, self.head_dim)
+            self._target = torch.zeros(shape, dtype=self.storage)
+        return self._target
+
+    def set_restored(self, num_tokens: int, state: torch.Tensor | None) -> None:
+        if state is not None:
+            raise ModelNotSupportedError(
+                "the MLX backend restores no recurrent state (state_layout is None)"
+            )
+        if self.num_tokens:
+            raise ValueError(f"set_restored on a sequence already holding {self.num_tokens} tokens")
+        target = self.restore_target()
+        for row, layer in enumerate(self.kv_layers):
+            kv = to_mx(target[row, :, :, :num_tokens])  # [2, H, n, D]
+            self.caches[layer].adopt(kv[0][None], kv[1][None])
+        mx.eval([(self.caches[i].keys, self.caches[i].values) for i in self.kv_layers])
+        self._target = None  # the MLX arrays hold it now
+
+    def kv_of(self, start: int, end: int) -> torch.Tensor:
+        if not 0 <= start <= end <= self.num_tokens:
+            raise ValueError(f"kv_of({start}, {end}) of a sequence holding {self.num_tokens}")
+        rows = [
+            mx.stack([self.caches[i].keys[0, :, start:end], self.caches[i].values[0, :, start:end]])
+            for i in self.kv_layers
+        ]
+        return to_torch(mx.stack(rows))
+
+    def grown(self, capacity: int, num_tokens: int) -> MlxSeqKV:
+        if num_tokens != self.num_tokens:
+            raise ValueError(
+                f"grown keeping {num_tokens} tokens of a sequence holding {self.num_tokens}"
+            )
+        self._capacity = max(self._capacity, capacity)
+        return self
+
+    def copy(self, num_tokens: int, capacity: int) -> MlxSeqKV:
+        caches: list[Any] = []
+        for i, cache in enumerate(self.caches):
+            clone = StoredKVCache(mx_dtype(self.storage))
+            if i in self.kv_layers and num_tokens:
+                # Slices are new arrays: the fork's writes never reach this sequence's.
+                clone.adopt(cache.keys[..., :num_tokens, :], cache.values[..., :num_tokens, :])
+            caches.append(clone)
+        return MlxSeqKV(
+            caches, self.kv_layers, self.storage, self.num_kv_heads, self.head_dim, capacity
+        )
+
+    def snapshot(self) -> torch.Tensor:
+        raise ModelNotSupportedError(
+            "the MLX backend takes no recurrent-state snapshots (state_layout is None)"
+        )
+
+
+class DecodeLayer:
+    """One decoder layer's cache for a step of decode rows, one row per sequence (see the
+    module docstring). mlx-lm's attention calls `update_and_fetch` with the batch's new
+    keys `[B, kv_heads, 1, head_dim]` and asks `make_mask` for the mask."""
+
+    def __init__(self, caches: list[StoredKVCache], positions: list[int]) -> None:
+        self.caches = caches
+        self.offset = mx.array(positions)
+        self.lengths = [p + 1 for p in positions]
+        self.longest = max(self.lengths)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        padded_keys, padded_values = [], []
+        for i, cache in enumerate(self.caches):
+            k, v = cache.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            pad = self.longest - k.shape[2]
+            if pad:
+                # Zeros: masked keys must still be finite numbers.
+                k = mx.pad(k, [(0, 0), (0, 0), (0, pad), (0, 0)])
+                v = mx.pad(v, [(0, 0), (0, 0), (0, pad), (0, 0)])
+            padded_keys.append(k)
+            padded_values.append(v)
+        return mx.concatenate(padded_keys), mx.concatenate(padded_values)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> mx.array:
+        if n != 1 or window_size is not None:
+            raise ValueError("DecodeLayer attends one decode row per sequence, no window")
+        seen = mx.arange(self.longest)[None, :] < mx.array(self.lengths)[:, None]
+        return seen[:, None, None, :]
