@@ -41,8 +41,9 @@ from pagedkv.errors import (
     PagedKVError,
     RequestTooLargeError,
 )
-from pagedkv.model import ModelAdapter, load_model
+from pagedkv.model import ModelAdapter
 from pagedkv.model.batch import DeterministicRows, linear_layers
+from pagedkv.model.choose import load_backend
 from pagedkv.model.fingerprint import describe_namespace
 from pagedkv.model.generation_defaults import SamplingDefaults
 from pagedkv.model.lora import DEFAULT_MAX_LORA_RANK, LoraWeights
@@ -118,13 +119,17 @@ class Engine:
         max_queue: int = 64,
         scheduling: SchedulerConfig | None = None,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+        backend: str | None = None,
     ) -> Engine:
         """Load `model` on the worker thread: the bundled model's name, a Hugging Face
         directory, a .gguf file or a Hub id in the local Hugging Face cache
-        (`pagedkv.model.resolve`)."""
+        (`pagedkv.model.resolve`), computed by `backend` ("auto", "torch", "mlx";
+        None: `config.backend`, `model.choose`)."""
+        chosen = backend or (config.backend if config is not None else "auto")
 
         def load() -> ModelAdapter:
-            return load_model(model, device=device, dtype=dtype)
+            adapter: ModelAdapter = load_backend(model, chosen, device=device, dtype=dtype)
+            return adapter
 
         return cls(load, config, max_queue, scheduling, max_lora_rank)
 

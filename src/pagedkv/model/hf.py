@@ -24,6 +24,7 @@ from pagedkv.config import DTYPES
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch, ragged_kernel_name
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME
+from pagedkv.model.choose import mlx_quantization
 from pagedkv.model.fingerprint import canonical_config, weights_digest
 from pagedkv.model.generation_defaults import (
     BUNDLED_DEFAULTS,
@@ -521,6 +522,11 @@ def load_model(
     text = str(name_or_path)
     resolved = resolve_model(name_or_path)
     directory, name = resolved.directory, resolved.name
+    if (quant := mlx_quantization(directory)) is not None:
+        raise ModelNotSupportedError(
+            f"cannot load {text!r} with the torch backend: it is an MLX-quantized model "
+            f"(config.json has quantization {quant}); serve it with --backend mlx"
+        )
     model: Any
     processor: Any = None
     try:
