@@ -70,14 +70,14 @@ def _fail_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _fail_buffer(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
     """A sibling's KV buffer cannot be allocated (after it is adopted)."""
-    real = eng._worker._kv_buffer
+    real = eng._worker._copy_kv
 
-    def broken(seq: Any) -> Any:
+    def broken(kv: Any, seq: Any) -> Any:
         if seq.index > 0:
             raise MemoryError("injected: no memory for a sibling's buffer")
-        return real(seq)
+        return real(kv, seq)
 
-    monkeypatch.setattr(eng._worker, "_kv_buffer", broken)
+    monkeypatch.setattr(eng._worker, "_copy_kv", broken)
 
 
 def _fail_second_sibling(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:

@@ -61,7 +61,7 @@ def test_a_request_sharing_a_background_prefix_promotes_it_and_waits_for_it() ->
     # The turn waits while its prefix is computed; what is not held may start.
     assert _admit_all(sched) == [bg, other_bg]
     bg.request.num_open = 0  # the prefill ended (cached, or failed: either way, go)
-    sched.remove(bg)
+    sched.finish(bg)
     assert _admit_all(sched) == [turn]
 
 

@@ -43,7 +43,7 @@ def _admit_all(sched: Scheduler) -> list[Sequence]:
 
 def _finish(sched: Scheduler, seq: Sequence) -> None:
     sched.release(sched.admission_tokens(seq))
-    sched.remove(seq)
+    sched.finish(seq)
 
 
 def _owners(seqs: list[Sequence]) -> list[str | None]:

@@ -41,14 +41,14 @@ def test_a_reused_buffer_changes_no_answer(
         worker = eng._worker
         eng.generate(shared + _prompt(3, 9), GREEDY)  # caches `shared`
         assert len(worker.spares) == 1
-        buffer = worker.spares[0].data_ptr()
+        buffer = worker.spares[0].restore_target().data_ptr()
         eng.generate(_prompt(4, 57), GREEDY)  # other KV into the same buffer
-        assert [s.data_ptr() for s in worker.spares] == [buffer]
+        assert [s.restore_target().data_ptr() for s in worker.spares] == [buffer]
         got = eng.generate(asked, GREEDY)
         assert got.cached_tokens >= 48 - BS
         assert got.token_ids == want
-        assert [s.data_ptr() for s in worker.spares] == [buffer]
-        assert worker.scheduler.spare_tokens == worker.spares[0].shape[3]
+        assert [s.restore_target().data_ptr() for s in worker.spares] == [buffer]
+        assert worker.scheduler.spare_tokens == worker.spares[0].capacity
         stats = eng.cache_stats().scheduling
         assert stats is not None and stats.kv_reserved_bytes == 0
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pagedkv.errors import AdapterError, UnknownAdapterError
-from pagedkv.model import ModelAdapter
+from pagedkv.model.backend import Backend
 from pagedkv.model.lora import DEFAULT_MAX_LORA_RANK, LoraWeights, check_adapter_name, read_lora
 
 T = TypeVar("T")
@@ -39,7 +39,7 @@ class Adapters:
 
     def __init__(
         self,
-        model: ModelAdapter,
+        model: Backend,
         call: Callable[[Callable[[], Any]], Any],
         max_rank: int = DEFAULT_MAX_LORA_RANK,
     ) -> None:
@@ -68,17 +68,24 @@ class Adapters:
         if name == self._model.name:
             raise AdapterError(f"adapter name {name!r} is the base model's name; pick another")
         model = self._model
-        names = (model.name, *((model.model_dir.name,) if model.model_dir else ()))
+        layers, module = model.lora_layers, getattr(model, "model", None)
+        if layers is None or module is None:
+            raise AdapterError(
+                f"the {model.backend_name} backend takes no LoRA adapters; "
+                f"serve {name!r} with --backend torch"
+            )
+        model_dir = getattr(model, "model_dir", None)
+        names = (model.name, *((model_dir.name,) if model_dir else ()))
         prepared = _off_thread(
-            lambda: model.lora_layers.prepare(
-                read_lora(name, directory, model.model, base_names=names, max_rank=self.max_rank)
+            lambda: layers.prepare(
+                read_lora(name, directory, module, base_names=names, max_rank=self.max_rank)
             )
         )
         lora = prepared.lora
 
         def install() -> float:
             started = time.perf_counter()
-            model.lora_layers.install(prepared)
+            layers.install(prepared)
             with self._lock:
                 old = self._by_name.get(name)
                 self._by_name[name] = lora

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pagedkv.cache.builder import build_prefix_cache
 from pagedkv.cache.hashing import ExtraKeys
@@ -41,8 +41,7 @@ from pagedkv.errors import (
     PagedKVError,
     RequestTooLargeError,
 )
-from pagedkv.model import ModelAdapter
-from pagedkv.model.batch import DeterministicRows, linear_layers
+from pagedkv.model.backend import Backend
 from pagedkv.model.choose import load_backend
 from pagedkv.model.fingerprint import describe_namespace
 from pagedkv.model.generation_defaults import SamplingDefaults
@@ -68,13 +67,14 @@ class Engine:
 
     def __init__(
         self,
-        adapter: ModelAdapter | Callable[[], ModelAdapter],
+        adapter: Backend | Callable[[], Backend],
         config: CacheConfig | None = None,
         max_queue: int = 64,
         scheduling: SchedulerConfig | None = None,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
     ) -> None:
-        """`adapter` is a loaded model, or a function that loads one (as
+        """`adapter` is a loaded model (a `model.backend.Backend`), or a function that
+        loads one (as
         `from_pretrained` passes): then the model loads on the worker thread.
         LoRA adapters (of rank up to `max_lora_rank`) are loaded with `load_adapter`.
 
@@ -127,16 +127,15 @@ class Engine:
         None: `config.backend`, `model.choose`)."""
         chosen = backend or (config.backend if config is not None else "auto")
 
-        def load() -> ModelAdapter:
-            adapter: ModelAdapter = load_backend(model, chosen, device=device, dtype=dtype)
-            return adapter
+        def load() -> Backend:
+            backend: Backend = load_backend(model, chosen, device=device, dtype=dtype)
+            return backend
 
         return cls(load, config, max_queue, scheduling, max_lora_rank)
 
-    def _set_up(self, adapter: ModelAdapter | Callable[[], ModelAdapter]) -> None:
+    def _set_up(self, given: Backend | Callable[[], Backend]) -> None:
         """On the worker thread: load, build the cache, the scheduler and the worker, warm up."""
-        if not isinstance(adapter, ModelAdapter):
-            adapter = adapter()
+        adapter = _loaded(given)
         self.adapter = adapter
         self.adapters = Adapters(adapter, self._call, self.max_lora_rank)
         log.info("sampling defaults of %s: %s", adapter.name, self.sampling_defaults.describe())
@@ -164,9 +163,10 @@ class Engine:
         )
         # The first forward in a thread is slow: pay it here, not in the first request.
         adapter.warmup()
-        if adapter.batched:  # prompt steps are padded always, every step if deterministic
-            self._worker.rows = DeterministicRows(linear_layers(adapter.model))
-            log.info("padded batches: row counts %s", self._worker.rows.stable)
+        # Prompt steps are padded always, every step if deterministic.
+        self._worker.rows = adapter.stable_rows()
+        if self._worker.rows is not None:
+            log.info("padded batches: row counts %s", getattr(self._worker.rows, "stable", "?"))
 
     def _reasoning_policy(self) -> ReasoningPolicy:
         mode = self.config.reasoning_cache
@@ -304,8 +304,11 @@ class Engine:
         extra: dict[str, Any] = {}
         if tools:
             extra["tools"] = list(tools)
-        return self.adapter.render_chat(
-            list(messages), add_generation_prompt, max_tokens=max_tokens, **extra
+        return self.adapter.vision.render(
+            list(messages),
+            add_generation_prompt,
+            check=lambda text: self.adapter.check_length(text, max_tokens),
+            **extra,
         )
 
     @property
@@ -785,7 +788,7 @@ class Engine:
 
     def _loop(
         self,
-        adapter: ModelAdapter | Callable[[], ModelAdapter],
+        adapter: Backend | Callable[[], Backend],
         ready: queue.Queue[BaseException | None],
     ) -> None:
         try:
@@ -903,3 +906,12 @@ def _check_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
                 f"token id {t} is outside the model's vocabulary (0..{vocab_size - 1})"
             )
     return out
+
+
+def _loaded(given: Backend | Callable[[], Backend]) -> Backend:
+    """The backend `given`, loading it first where it is a loader: a loaded backend has
+    the seam's step (`Backend.forward_step`), a loader is a function of nothing.
+    Rejected: `isinstance` on the torch class, which refused every other backend."""
+    if hasattr(given, "forward_step"):
+        return cast("Backend", given)
+    return cast("Callable[[], Backend]", given)()

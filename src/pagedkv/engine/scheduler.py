@@ -137,6 +137,38 @@ class Scheduler:
         self.reserved_tokens -= tokens
         assert self.reserved_tokens >= 0, "released more KV than was reserved"
 
+    def grow(self, seq: Sequence, capacity: int) -> None:
+        """Reserve `seq`'s growth to `capacity` tokens (the caller checked it `fits`)."""
+        self.reserve(capacity - seq.capacity)
+        seq.capacity = capacity
+
+    def _free(self, seq: Sequence) -> None:
+        """Give back everything reserved for `seq` (its KV, snapshot and unforked samples)."""
+        held = seq.capacity + seq.state_tokens + seq.sibling_capacity
+        if held:
+            self.release(held)
+        seq.capacity = seq.state_tokens = seq.sibling_capacity = 0
+
+    # -- spare KV: freed sequences' KV the worker keeps for reuse, inside the budget
+
+    def keep_spare(self, tokens: int) -> bool:
+        """Count a spare of `tokens` capacity, if the budget has room for it."""
+        if not self.fits(tokens):
+            return False
+        self.spare_tokens += tokens
+        return True
+
+    def drop_spare(self, tokens: int) -> None:
+        self.spare_tokens -= tokens
+        assert self.spare_tokens >= 0, "dropped more spare KV than was kept"
+
+    def use_spare(self, seq: Sequence, tokens: int) -> None:
+        """`seq` (reserved `seq.capacity`) takes a spare of `tokens` >= that capacity:
+        the spare's tokens become its reservation."""
+        self.spare_tokens -= tokens
+        self.reserve(tokens - seq.capacity)  # fits: the spare's tokens were counted
+        seq.capacity = tokens
+
     def growth(self, seq: Sequence) -> int:
         """The capacity `seq` needs before its next step (its current one if enough)."""
         need = seq.num_computed + min(seq.num_pending, self.config.max_num_batched_tokens)
@@ -190,8 +222,23 @@ class Scheduler:
                 return other
         return None
 
+    def start(self, seq: Sequence) -> None:
+        """Admit `seq` (`next_to_admit` offered it), reserving its KV, its snapshot room
+        and its unforked samples' (`admission_tokens`)."""
+        capacity, state = self.initial_capacity(seq), self.snapshot_tokens
+        seq.sibling_capacity = (capacity + state) * seq.samples_to_fork
+        seq.capacity, seq.state_tokens = capacity, state
+        self.reserve(capacity + state + seq.sibling_capacity)
+        self.admit(seq)
+
+    def blocked(self) -> Sequence | None:
+        """The head of the queue when nothing runs: nothing will free memory for it."""
+        if self.running or not self.waiting:
+            return None
+        return self.waiting[0]
+
     def admit(self, seq: Sequence) -> None:
-        """Move `seq` from waiting to running (the engine has reserved its KV)."""
+        """Move `seq` from waiting to running (its KV is reserved: `start`)."""
         if seq is self._bypass:
             self.head_bypassed += 1
             self._last_bypass_owner = _owner(seq)
@@ -203,9 +250,15 @@ class Scheduler:
         self.running.append(seq)
         self.running.sort(key=lambda s: s.order)
 
-    def adopt(self, seq: Sequence, order: int) -> None:
-        """Run `seq`, forked from a running sequence admitted at `order`."""
-        seq.order = order
+    def adopt(self, seq: Sequence, primary: Sequence) -> None:
+        """Run `seq`, the next sample forked from the running `primary`: it takes one
+        sample's share of what `primary` reserved for its siblings (`start`)."""
+        share = primary.sibling_capacity // primary.samples_to_fork
+        primary.samples_to_fork -= 1
+        primary.sibling_capacity -= share
+        seq.state_tokens = self.snapshot_tokens
+        seq.capacity = share - seq.state_tokens
+        seq.order = primary.order
         self.running.append(seq)
         self.running.sort(key=lambda s: s.order)
 
@@ -277,11 +330,24 @@ class Scheduler:
         """The sequence to preempt when memory runs short: the newest running one."""
         return max(self.running, key=lambda s: s.order, default=None)
 
-    def remove(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Stop the running `seq`, free its reservation and queue it first: it resumes
+        before anything else starts."""
+        self.running.remove(seq)
+        self._free(seq)
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """`seq` ended (or was never started): off the queues, its reservation freed."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._free(seq)
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence, running then waiting (a copy: the caller may end them)."""
+        return [*self.running, *self.waiting]
 
     # -- the step -----------------------------------------------------------------
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -12,6 +11,7 @@ from pagedkv.cache.prefix import RequestCache
 from pagedkv.engine.detokenize import Detokenizer
 from pagedkv.engine.request import GenerationResult, Request
 from pagedkv.engine.sampling import Sampler
+from pagedkv.model.backend import SeqKV
 
 
 @dataclass(eq=False)
@@ -37,8 +37,7 @@ class Sequence:
     sampler: Sampler
     decoder: Detokenizer
     order: int = 0
-    kv: torch.Tensor | None = None
-    cache: Any = None
+    kv: SeqKV | None = None
     capacity: int = 0
     num_computed: int = 0
     handle: RequestCache | None = None

@@ -1,25 +1,29 @@
-"""The engine's worker: admits requests, runs one batched forward per step, samples.
+"""The engine's worker: what happens to each sequence's KV and tokens.
 
-Runs on one thread that owns the model, the prefix cache and every sequence's
-KV. A step, in order: end cancelled sequences; admit waiting ones while their
-KV fits the budget (restoring their cached prefix); make room for sequences
-that outgrow their buffers (preempting the newest when the budget is short);
-plan the step (`Scheduler.plan`); one forward over all of it; sample, emit and
-finish.
+Runs on one thread that owns the backend (`model.backend.Backend`), the prefix
+cache and every sequence's KV (a `SeqKV` the backend made). A step, in order:
+end cancelled sequences; start the ones the scheduler admits (restoring their
+cached prefix); grow the KV of sequences about to outgrow it (preempting the
+ones the scheduler picks when the budget is short); compute the scheduler's
+plan (`Scheduler.plan`) through `Backend.forward_step`; sample, emit and finish.
+Who runs and how much KV each holds is the scheduler's: the worker asks it
+(`start`, `grow`, `preempt`, `finish`, the spare accounting) and never edits
+its queues or budget itself.
 
-Spare buffers: a finished sequence's KV buffer is kept (a few, inside the KV
-budget) and the next sequence of about its size writes into it. A new buffer's
-pages cost their first touch, which on the virtual machines measured took
-63-83 ms for 190 MB against 8 ms for the same copy into touched memory: most
-of a RAM hit's restore. Spares are given up before a sequence waits for
-memory or is preempted.
+Spare KV: a finished sequence's KV is kept (a few, inside the KV budget) and the
+next sequence of about its size writes into it. A new buffer's pages cost
+their first touch, which on the virtual machines measured took 63-83 ms for 190
+MB against 8 ms for the same copy into touched memory: most of a RAM hit's
+restore. Spares are given up before a sequence waits for memory or is
+preempted.
 
 Fault isolation: a failure in one sequence's cache path (lookup, restore,
 caching) degrades it to recomputing, or ends that sequence alone with its
-error; a failed forward ends the sequences of that step. Every path releases
-the blocks and KV it held. The worker itself never stops on an error; if a bug
-ever kills it, the engine fails every request it holds and reports itself
-unhealthy.
+error; a failed forward ends the sequences of that step (a backend with
+`batched` False computes one sequence per forward, so its failure ends that one
+alone). Every path releases the blocks and KV it held. The worker itself never
+stops on an error; if a bug ever kills it, the engine fails every request it
+holds and reports itself unhealthy.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -38,12 +41,12 @@ from pagedkv.engine.request import GenerationResult, Request, StreamEvent
 from pagedkv.engine.sampling import Sampler
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Sequence
-from pagedkv.model import ModelAdapter
-from pagedkv.model.batch import DeterministicRows, SeqChunk
+from pagedkv.model.backend import Backend, SeqKV
+from pagedkv.model.batch import SeqChunk
 
 log = logging.getLogger(__name__)
 
-# Freed KV buffers kept for reuse, at most (each also inside the KV budget).
+# Freed KV kept for reuse, at most (each also inside the KV budget).
 _MAX_SPARES = 4
 
 
@@ -52,21 +55,21 @@ class Worker:
 
     def __init__(
         self,
-        adapter: ModelAdapter,
+        backend: Backend,
         prefix: PrefixCache | None,
         scheduler: Scheduler,
         on_request_done: Callable[[Request], None],
     ) -> None:
-        self.adapter = adapter
+        self.backend = backend
         self.prefix = prefix
         self.scheduler = scheduler
         self.on_request_done = on_request_done
-        # The row counts the linear layers round alike at (measured at start-up for a
-        # batched model). A step that computes prompt rows is always padded to one: a
-        # prompt's last token alone after a cached prefix must round as it did inside
-        # the whole prompt. Decode-only steps are padded under deterministic batching
-        # only: a request alone decodes one row at a time, cached or not.
-        self.rows: DeterministicRows | None = None
+        # The row counts the backend's products round alike at (`Backend.stable_rows`,
+        # measured at start-up). A step that computes prompt rows is always padded to
+        # one: a prompt's last token alone after a cached prefix must round as it did
+        # inside the whole prompt. Decode-only steps are padded under deterministic
+        # batching only: a request alone decodes one row at a time, cached or not.
+        self.rows: Callable[[int], int] | None = None
         self.preemptions = 0
         self.cache_errors = 0
         # Misses by reason, of the requests whose attribution was logged (debug level):
@@ -74,7 +77,7 @@ class Worker:
         # tiers' indexes, so it is done only when someone reads the line.
         self.miss_reasons: dict[str, int] = {}
         self.steps = 0
-        self.spares: list[torch.Tensor] = []  # freed KV buffers, newest last
+        self.spares: list[SeqKV] = []  # freed sequences' KV, newest last
 
     @property
     def busy(self) -> bool:
@@ -82,14 +85,14 @@ class Worker:
 
     def add(self, req: Request) -> None:
         params = req.params
-        max_tokens = min(params.max_tokens, self.adapter.max_context - len(req.prompt))
+        max_tokens = min(params.max_tokens, self.backend.max_context - len(req.prompt))
         seq = self._sequence(req, 0, list(req.prompt), max_tokens)
         seq.samples_to_fork = params.n - 1
         req.num_open = params.n
         self.scheduler.add(seq)
 
     def _sequence(self, req: Request, index: int, tokens: list[int], max_tokens: int) -> Sequence:
-        ignore = set(self.adapter.eos_token_ids)
+        ignore = set(self.backend.eos_token_ids)
         constraint = req.grammar.constraint() if req.grammar is not None else None
         return Sequence(
             request=req,
@@ -98,7 +101,7 @@ class Worker:
             num_prompt_tokens=len(req.prompt),
             max_tokens=max_tokens,
             sampler=Sampler(req.params, index, prompt=tokens, constraint=constraint),
-            decoder=Detokenizer(self.adapter, req.params, ignore=ignore),
+            decoder=Detokenizer(self.backend, req.params, ignore=ignore),
         )
 
     # -- one step -----------------------------------------------------------------
@@ -130,7 +133,7 @@ class Worker:
                 self._fail(seq, exc)
 
     def _reap_cancelled(self) -> None:
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+        for seq in self.scheduler.sequences():
             if seq.request.cancelled.is_set():
                 seq.finish_reason = seq.finish_reason or "cancelled"
                 self._finish(seq)
@@ -138,15 +141,10 @@ class Worker:
     def _admit(self) -> None:
         sched = self.scheduler
         while (seq := self._next_to_admit()) is not None:
-            capacity, state = sched.initial_capacity(seq), sched.snapshot_tokens
-            seq.sibling_capacity = (capacity + state) * seq.samples_to_fork
-            seq.capacity, seq.state_tokens = capacity, state
-            sched.reserve(capacity + state + seq.sibling_capacity)
-            sched.admit(seq)
+            sched.start(seq)
             self._start(seq)
-        if not sched.running and sched.waiting:
-            # Nothing runs, so nothing will free memory: the head can never start.
-            head = sched.waiting[0]
+        head = sched.blocked()
+        if head is not None:
             need = sched.admission_tokens(head)
             self._fail(head, MemoryError(
                 f"the request needs {need} tokens of KV to start and the budget holds "
@@ -156,71 +154,59 @@ class Worker:
     def _next_to_admit(self) -> Sequence | None:
         sched = self.scheduler
         if self.spares and sched.waiting and not sched.head_fits():
-            # Memory for the head before buffers for later ones, and before another
+            # Memory for the head before KV for later ones, and before another
             # owner's sequence starts ahead of it.
             self._drop_spares()
         return sched.next_to_admit()
 
-    def _kv_buffer(self, seq: Sequence) -> torch.Tensor:
-        """A KV buffer for `seq.capacity` tokens (reserved by the caller): a spare of
-        that size up to twice it, whose extra capacity `seq` then reserves, or a new one."""
-        sched = self.scheduler
+    def _new_kv(self, seq: Sequence) -> SeqKV:
+        """KV for `seq.capacity` tokens (reserved): a spare of that size up to twice it,
+        whose extra capacity `seq` then reserves, or a new one."""
         for i, spare in enumerate(self.spares):
-            size = spare.shape[3]
-            if seq.capacity <= size <= 2 * seq.capacity:
+            if seq.capacity <= spare.capacity <= 2 * seq.capacity:
                 del self.spares[i]
-                sched.spare_tokens -= size
-                sched.reserve(size - seq.capacity)  # fits: the spare's tokens were counted
-                seq.capacity = size
+                self.scheduler.use_spare(seq, spare.capacity)
                 return spare
-        return self.adapter.new_kv_buffer(seq.capacity)
+        return self.backend.new_kv(seq.capacity)
 
-    def _keep_spare(self, kv: torch.Tensor) -> None:
-        """Keep a buffer no sequence uses any more, if the budget has room for it."""
-        size = kv.shape[3]
+    def _keep_spare(self, kv: SeqKV) -> None:
+        """Keep KV no sequence uses any more, if the budget has room for it (batched
+        backends only: `model.backend`, where a `SeqKV` is reused)."""
+        if not self.backend.batched:
+            return
         if len(self.spares) >= _MAX_SPARES:
-            self.scheduler.spare_tokens -= self.spares.pop(0).shape[3]
-        if self.scheduler.fits(size):
+            self.scheduler.drop_spare(self.spares.pop(0).capacity)
+        if self.scheduler.keep_spare(kv.capacity):
             self.spares.append(kv)
-            self.scheduler.spare_tokens += size
 
     def _drop_spares(self) -> None:
-        self.spares.clear()
-        self.scheduler.spare_tokens = 0
+        while self.spares:
+            self.scheduler.drop_spare(self.spares.pop().capacity)
 
     def _start(self, seq: Sequence) -> None:
-        """Give an admitted sequence its KV buffers and restore its cached prefix."""
-        adapter, prefix = self.adapter, self.prefix
+        """Give a started sequence its KV and restore its cached prefix into it."""
         try:
-            out: torch.Tensor | None = None
-            if adapter.batched:
-                seq.kv = out = self._kv_buffer(seq)
-            elif prefix is not None:
-                seq.cache, out = adapter.cache_with_buffers(seq.capacity)
-            else:
-                seq.cache = adapter.new_cache(seq.capacity)
+            seq.kv = self._new_kv(seq)
+            target = seq.kv.restore_target() if self.prefix is not None else None
         except Exception as exc:  # an allocation the machine cannot give
             log.exception("allocating KV for a request failed")
             self._fail(seq, exc)
             return
         restored = 0
-        if prefix is not None and out is not None:
+        if self.prefix is not None and target is not None:
             try:
-                seq.handle = prefix.begin(seq.tokens, seq.request.extra)
+                seq.handle = self.prefix.begin(seq.tokens, seq.request.extra)
                 if not seq.admitted and log.isEnabledFor(logging.DEBUG):
                     self._log_lookup(seq.tokens, seq.handle)
-                restored = seq.handle.restore_into(out, len(seq.tokens) - 1)
+                restored = seq.handle.restore_into(target, len(seq.tokens) - 1)
             except Exception:
                 log.warning("prefix lookup failed; recomputing the prompt", exc_info=True)
                 self.cache_errors += 1
                 if seq.handle is not None:
                     seq.handle.release()
                 seq.handle, restored = None, 0
-            if seq.cache is not None:
-                adapter.set_cache_length(seq.cache, restored)
-                state = seq.handle.restored_state if seq.handle is not None else None
-                if state is not None and adapter.state_layout is not None:
-                    adapter.state_layout.load(seq.cache, state, adapter.device)
+            state = seq.handle.restored_state if seq.handle is not None else None
+            seq.kv.set_restored(restored, state)
         seq.num_computed = restored
         if not seq.admitted:
             seq.cached_tokens = restored
@@ -232,7 +218,7 @@ class Worker:
         reason is counted in `miss_reasons` (`pagedkv_explain_misses_total`)."""
         assert self.prefix is not None
         found = self.prefix.explain(tokens, handle.extra, chain=handle.chain)
-        exp = describe(found, tokens, self.adapter.decode)
+        exp = describe(found, tokens, self.backend.decode)
         miss = exp.miss
         if miss is not None:
             self.miss_reasons[miss.reason] = self.miss_reasons.get(miss.reason, 0) + 1
@@ -247,8 +233,8 @@ class Worker:
         )
 
     def _make_room(self) -> None:
-        """Grow the buffers of sequences about to outgrow them, preempting the newest
-        sequences while the budget cannot cover the growth."""
+        """Grow the KV of sequences about to outgrow it, preempting the scheduler's
+        victims while the budget cannot cover the growth."""
         sched = self.scheduler
         for seq in list(sched.running):
             if seq not in sched.running:
@@ -266,14 +252,9 @@ class Worker:
                 if victim is seq:
                     break
             if seq in sched.running:
-                sched.reserve(need - seq.capacity)
-                self._grow(seq, need)
-
-    def _grow(self, seq: Sequence, capacity: int) -> None:
-        old, seq.capacity = seq.kv, capacity  # a transformers cache grows by itself
-        if old is not None:
-            seq.kv = self._kv_buffer(seq)
-            seq.kv[:, :, :, : seq.num_computed].copy_(old[:, :, :, : seq.num_computed])
+                sched.grow(seq, need)
+                if seq.kv is not None:
+                    seq.kv = seq.kv.grown(need, seq.num_computed)
 
     def _preempt(self, seq: Sequence) -> None:
         """Stop `seq` and free its KV: what it computed goes to the prefix cache, so it
@@ -284,18 +265,20 @@ class Worker:
             seq.num_computed,
         )
         self.preemptions += 1
-        self._release(seq, cache=True)
-        self.scheduler.running.remove(seq)
-        self.scheduler.waiting.appendleft(seq)
+        kv = self._release(seq, cache=True)
+        self.scheduler.preempt(seq)
+        if kv is not None:
+            self._keep_spare(kv)
 
-    def _release(self, seq: Sequence, cache: bool) -> None:
-        """Give back everything `seq` holds; with `cache`, first cache its computed KV."""
+    def _release(self, seq: Sequence, cache: bool) -> SeqKV | None:
+        """Give back the blocks `seq` holds (with `cache`, first cache its computed KV)
+        and take its KV off it; the caller frees its reservation, then may keep the KV."""
         handle, seq.handle = seq.handle, None
         if handle is not None:
             try:
-                if cache and seq.num_computed:
+                if cache and seq.num_computed and seq.kv is not None:
                     handle.cache_finished(
-                        seq.tokens[: seq.num_computed], self._kv_source(seq), seq.snapshots
+                        seq.tokens[: seq.num_computed], seq.kv.kv_of, seq.snapshots
                     )
                     if seq.request.prefill_only:
                         assert self.prefix is not None
@@ -306,54 +289,25 @@ class Worker:
                 self.cache_errors += 1
             finally:
                 handle.release()
-        held = seq.capacity + seq.state_tokens + seq.sibling_capacity
-        if held:
-            self.scheduler.release(held)
-        if seq.kv is not None:
-            self._keep_spare(seq.kv)
-        seq.capacity = seq.state_tokens = seq.sibling_capacity = seq.num_computed = 0
-        seq.kv = seq.cache = None
+        kv, seq.kv = seq.kv, None
+        seq.num_computed = 0
         seq.snapshots = {}
-
-    def _kv_source(self, seq: Sequence) -> Callable[[int, int], torch.Tensor]:
-        if seq.kv is not None:
-            kv = seq.kv
-            return lambda start, end: kv[:, :, :, start:end]
-        layers = self.adapter.cache_layers(seq.cache)
-
-        def kv_of(start: int, end: int) -> torch.Tensor:
-            return torch.stack(
-                [torch.stack((k[0, :, start:end], v[0, :, start:end])) for k, v in layers]
-            )
-
-        return kv_of
+        return kv
 
     # -- forward and sampling ---------------------------------------------------------
 
     def _forward(self, work: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]]:
         """Compute `work`; the logits of every sequence that reached the end of its tokens."""
-        wanted = [seq for seq, n in work if seq.num_computed + n == len(seq.tokens)]
-        if self.adapter.batched:
-            chunks = []
-            for seq, n in work:
-                assert seq.kv is not None
-                ids = seq.tokens[seq.num_computed : seq.num_computed + n]
-                last = seq.num_computed + n == len(seq.tokens)
-                prompt = seq.num_computed < seq.num_prompt_tokens
-                lora = seq.request.lora
-                images = seq.request.images if prompt else ()
-                positions = seq.request.positions  # every chunk, decode steps too
-                chunk = SeqChunk(
-                    seq.kv, seq.num_computed, ids, last, prompt, lora, images, positions
-                )
-                chunks.append(chunk)
+        if self.backend.batched:
+            chunks = [self._chunk(seq, n) for seq, n in work]
             deterministic = self.scheduler.config.deterministic
             pad = deterministic or any(c.is_prompt for c in chunks)
-            logits = self.adapter.forward_batch(
+            logits = self.backend.forward_step(
                 chunks, self.rows if pad else None, group_decode=not deterministic
             )
             for seq, n in work:
                 seq.num_computed += n
+            wanted = [seq for seq, n in work if seq.num_computed == len(seq.tokens)]
             return list(zip(wanted, logits, strict=True))
         out = []
         every = self._snapshot_every()
@@ -361,8 +315,7 @@ class Worker:
             try:
                 if every:  # end the chunk where the next snapshot is due
                     n = min(n, every - seq.num_computed % every)
-                ids = seq.tokens[seq.num_computed : seq.num_computed + n]
-                logits, seq.cache = self.adapter.forward(ids, seq.cache, seq.request.lora)
+                logits = self.backend.forward_step([self._chunk(seq, n)])
                 seq.num_computed += n
                 if every and seq.num_computed % every == 0 and seq.handle is not None:
                     self._keep_snapshot(seq)
@@ -371,8 +324,26 @@ class Worker:
                 self._fail(seq, exc)
                 continue
             if seq.num_computed == len(seq.tokens):
-                out.append((seq, logits))
+                out.append((seq, logits[0]))
         return out
+
+    @staticmethod
+    def _chunk(seq: Sequence, n: int) -> SeqChunk:
+        """`seq`'s next `n` tokens, as the backend computes them."""
+        assert seq.kv is not None
+        start = seq.num_computed
+        prompt = start < seq.num_prompt_tokens
+        req = seq.request
+        return SeqChunk(
+            seq.kv,
+            start,
+            seq.tokens[start : start + n],
+            start + n == len(seq.tokens),
+            prompt,
+            req.lora,
+            req.images if prompt else (),
+            req.positions,  # every chunk, decode steps too
+        )
 
     def _keep_snapshot(self, seq: Sequence) -> None:
         """Snapshot `seq`'s recurrent state after its `num_computed` tokens.
@@ -387,11 +358,11 @@ class Worker:
         prompt outside every budget: about 9.6 GiB for one 8K-token prompt of
         Qwen3-Next shapes). So a sequence holds at most one snapshot, which its
         reservation (`Scheduler.snapshot_tokens`) covers."""
-        layout, handle, prefix = self.adapter.state_layout, seq.handle, self.prefix
-        assert layout is not None and handle is not None and prefix is not None
+        handle, prefix = seq.handle, self.prefix
+        assert handle is not None and prefix is not None and seq.kv is not None
         store = prefix.snapshots
         assert store is not None
-        state = layout.snapshot(seq.cache)
+        state = seq.kv.snapshot()
         if store.put_prefix(handle.chain, seq.num_computed, prefix.block_size, state):
             return
         seq.snapshots = {seq.num_computed: state}
@@ -408,7 +379,8 @@ class Worker:
             seq.prompt_cached = True
             if seq.handle is not None:
                 try:  # after the first token, not before: nothing here is needed for it
-                    seq.handle.cache_prompt(self._kv_source(seq), seq.snapshots)
+                    assert seq.kv is not None
+                    seq.handle.cache_prompt(seq.kv.kv_of, seq.snapshots)
                     seq.snapshots = {}
                     req = seq.request
                     for lease in req.leases:
@@ -456,28 +428,19 @@ class Worker:
         and nothing stays reserved (rejected: building siblings before the guarded
         path, which leaked a slot and its KV when a sampler could not be built)."""
         count = primary.samples_to_fork
-        share = primary.sibling_capacity // count
         prompt = primary.tokens[: primary.num_prompt_tokens]
         for index in range(1, count + 1):
             if primary.request.failed:
                 return  # the rest are cancelled with the request when the primary ends
             # Raises to `step`, which fails the primary: it still owns this share.
             sib = self._sequence(primary.request, index, list(prompt), primary.max_tokens)
-            primary.samples_to_fork -= 1
-            primary.sibling_capacity -= share
-            sib.state_tokens = self.scheduler.snapshot_tokens
-            sib.capacity, sib.num_computed = share - sib.state_tokens, primary.num_computed
+            self.scheduler.adopt(sib, primary)
+            sib.num_computed = primary.num_computed
             sib.cached_tokens, sib.tier_hits = primary.cached_tokens, dict(primary.tier_hits)
             sib.admitted = sib.prompt_cached = True
-            self.scheduler.adopt(sib, primary.order)
             try:
-                if primary.kv is not None:
-                    sib.kv = self._kv_buffer(sib)
-                    sib.kv[:, :, :, : sib.num_computed].copy_(
-                        primary.kv[:, :, :, : sib.num_computed]
-                    )
-                else:
-                    sib.cache = _copy_cache(primary.cache)
+                assert primary.kv is not None
+                sib.kv = self._copy_kv(primary.kv, sib)
                 if primary.handle is not None:
                     sib.handle = primary.handle.fork()
                 self._emit_token(sib, logits)
@@ -487,6 +450,10 @@ class Worker:
                 continue
             if sib.finish_reason is not None:
                 self._finish(sib)
+
+    def _copy_kv(self, kv: SeqKV, sib: Sequence) -> SeqKV:
+        """A copy of `kv`'s first `sib.num_computed` tokens with room for `sib.capacity`."""
+        return kv.copy(sib.num_computed, sib.capacity)
 
     # -- the end ------------------------------------------------------------------------
 
@@ -501,8 +468,10 @@ class Worker:
         self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
-        self.scheduler.remove(seq)
-        self._release(seq, cache=seq.finish_reason not in ("cancelled", "error"))
+        kv = self._release(seq, cache=seq.finish_reason not in ("cancelled", "error"))
+        self.scheduler.finish(seq)
+        if kv is not None:
+            self._keep_spare(kv)
         req = seq.request
         result = seq.result()
         req.results.append(result)
@@ -524,7 +493,7 @@ class Worker:
 
     def fail_all(self, exc: BaseException) -> None:
         """End every sequence with `exc` (shutdown, or the worker dying)."""
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+        for seq in self.scheduler.sequences():
             try:
                 self._fail(seq, exc)
             except Exception:  # keep going: every caller must hear the end
@@ -545,9 +514,3 @@ def _unborn_result(req: Request, index: int) -> GenerationResult:
         top_logprobs=[] if req.params.top_logprobs else None,
         index=index,
     )
-
-
-def _copy_cache(cache: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(cache)

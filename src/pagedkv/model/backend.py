@@ -8,19 +8,31 @@ stay above this line and never see a backend's types.
 
 The contract:
 - KV crosses the seam in one format for every backend: `[L, 2, kv_heads, tokens,
-  row_width]` torch tensors of `kv_format.storage_dtype` on the CPU (L: the KV
-  layers, `kv_layers`), the shape and dtype the pool and every tier store. A
+  row_width]` torch tensors of `kv_format.storage_dtype` on `device` (the CPU but
+  for torch on CUDA; L: the KV layers, `num_kv_layers`), the shape and dtype the
+  pool and every tier store. A
   backend that keeps its KV elsewhere (MLX arrays) converts at the seam: when a
   cached prefix is restored and when a sequence's KV is cached.
 - A sequence's KV is a `SeqKV` the backend made (`new_kv`); the worker never
   looks inside it. It holds room for `capacity` tokens; the worker decides
-  when it grows (`grown`) and how many of its tokens are computed.
+  when it grows (`grown`) and how many of its tokens are computed. Where
+  `batched`, the worker keeps a finished sequence's `SeqKV` (a spare) and gives
+  it to the next sequence of about its size: whatever it still holds, that one
+  restores into `restore_target` and computes on from `set_restored`'s count.
+- A sequence's life at the seam: `new_kv` (or a spare); with caching on,
+  `restore_target` once, then `set_restored` (0 tokens on a miss); then
+  `forward_step`s; `kv_of` to cache what it computed; `grown` before it
+  outgrows `capacity`; `copy` for each other sample of an `n` > 1 request;
+  `snapshot` after a forward where a recurrent snapshot is due.
 - `forward_step` computes every chunk of one step (`model.batch.SeqChunk`, whose
   `kv` is the `SeqKV` the backend made) and writes each chunk's new KV into it;
   it returns the float32 logits of the chunks that want them, in
   chunk order. A backend with `batched` False is given one chunk per call (the
   worker isolates a failure to that sequence, and takes a recurrent model's
-  snapshots between calls).
+  snapshots between calls). The worker pads a step's rows with the backend's own
+  `stable_rows` (a step holding prompt rows always, every step when
+  deterministic); a backend whose products round alike at every row count
+  returns None.
 - A recurrent model's state (`state_layout`) crosses as one float32 tensor
   (`SeqKV.snapshot`, `SeqKV.set_restored`).
 - Identity: `fingerprint` names everything that decides the KV computed for
@@ -87,6 +99,8 @@ class Backend(Protocol):
     name: str
     backend_name: str  # "torch" | "mlx": what `--backend` chose
     tokenizer: Any
+    device: torch.device  # where the seam's tensors live (see the module docstring)
+    dtype: Any  # the compute dtype; `str()` names it (stats, the namespace's description)
     max_token_chars: int | None
     max_context: int
     vocab_size: int
@@ -101,7 +115,7 @@ class Backend(Protocol):
     prefix_caching_supported: bool
     unsupported_reason: str | None  # why prefix caching is off, if it is
     batched: bool
-    unbatched_reason: str | None  # why `forward` takes one chunk at a time, if it does
+    unbatched_reason: str | None  # why `forward_step` takes one chunk at a time, if it does
     vision: Any  # a VLM's image side (`model.vision.VisionModel`), or None
     lora_layers: Any  # `model.lora_layers.LoraLayers`, or None where adapters are refused
 

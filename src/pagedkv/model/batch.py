@@ -87,11 +87,15 @@ def ragged_kernel_name() -> str:
 @dataclass(slots=True)
 class SeqChunk:
     """One sequence's share of a batched forward: `token_ids` at positions `start,
-    start + 1, ...`, after the `start` tokens whose KV `kv` `[L, 2, kv_heads,
-    capacity, head_dim]` already holds. `want_logits`: the step samples from the
-    logits of the chunk's last token."""
+    start + 1, ...`, after the `start` tokens whose KV `kv` already holds.
+    `want_logits`: the step samples from the logits of the chunk's last token.
 
-    kv: torch.Tensor
+    `kv` is the `model.backend.SeqKV` the backend made, at the seam
+    (`Backend.forward_step`); the torch ragged batch's lower level
+    (`ModelAdapter.forward_batch`, `plan_batch`) takes the buffer itself, `[L, 2,
+    kv_heads, capacity, row_width]`."""
+
+    kv: Any
     start: int
     token_ids: Sequence[int]
     want_logits: bool

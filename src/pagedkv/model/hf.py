@@ -7,6 +7,7 @@ tokens, head_dim]` and an opaque cache object it passes back to `forward`.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -22,7 +23,14 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from pagedkv.cache.identity import NAMESPACE_FIELDS, namespace_digest
 from pagedkv.config import DTYPES
 from pagedkv.errors import ModelNotSupportedError
-from pagedkv.model.batch import ATTENTION_NAME, SeqChunk, plan_batch, ragged_kernel_name
+from pagedkv.model.batch import (
+    ATTENTION_NAME,
+    DeterministicRows,
+    SeqChunk,
+    linear_layers,
+    plan_batch,
+    ragged_kernel_name,
+)
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME
 from pagedkv.model.choose import mlx_quantization
 from pagedkv.model.fingerprint import canonical_config, weights_digest
@@ -41,6 +49,7 @@ from pagedkv.model.resolve import resolve_model
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
 from pagedkv.model.text import TextMethods
 from pagedkv.model.token_bound import max_chars_per_token
+from pagedkv.model.torch_kv import BufferKV, CacheKV
 from pagedkv.model.vision import (
     VisionModel,
     is_vision_config,
@@ -96,7 +105,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 class ModelAdapter(TextMethods):
-    """A loaded causal LM plus the tokenizer and the KV-cache plumbing the engine needs.
+    """A loaded causal LM plus the tokenizer and the KV-cache plumbing the engine needs:
+    the torch `model.backend.Backend` (`new_kv`, `forward_step`, `stable_rows`), over
+    the lower-level `forward_batch` (ragged batch, KV buffers) and `forward`
+    (transformers' own cache, one sequence) that the model tests call directly.
 
     Invariants: `forward` always runs under `torch.inference_mode()`, so cache
     tensors it produces are inference tensors (read them anywhere; write into
@@ -125,6 +137,7 @@ class ModelAdapter(TextMethods):
         # The most input characters one token covers, where provable (None: unknown).
         self.max_token_chars = max_chars_per_token(tokenizer)
         self.name = name
+        self.backend_name = BACKEND
         self.model_dir = model_dir
         param = next(model.parameters())
         self.device: torch.device = param.device
@@ -429,6 +442,41 @@ class ModelAdapter(TextMethods):
         if order is not None:
             logits = logits[unpermute_wanted(order, [c.want_logits for c in chunks])]
         return logits
+
+    # ---- the seam (`model.backend.Backend`) ------------------------------
+
+    def new_kv(self, capacity: int) -> BufferKV | CacheKV:
+        """A sequence's KV with room for `capacity` tokens (`model.torch_kv`): a ragged
+        batch buffer, or a transformers cache where the model runs one at a time."""
+        if self.batched:
+            return BufferKV(self.new_kv_buffer(capacity), self.new_kv_buffer)
+        return CacheKV(self, capacity)
+
+    def forward_step(
+        self,
+        chunks: list[SeqChunk],
+        pad_rows: Callable[[int], int] | None = None,
+        group_decode: bool = True,
+    ) -> torch.Tensor:
+        """Every chunk of one step, each `kv` a `new_kv` of this adapter; the float32
+        logits `[wanted, vocab]` of the chunks that want them, in chunk order. Unbatched
+        (`batched` False): exactly one chunk, through `forward`."""
+        if self.batched:
+            bare = [dataclasses.replace(c, kv=c.kv.buffer) for c in chunks]
+            return self.forward_batch(bare, pad_rows, group_decode)
+        if len(chunks) != 1:
+            raise ValueError(
+                f"{self.name} computes one sequence per forward ({self.unbatched_reason}); "
+                f"forward_step got {len(chunks)} chunks: give it one at a time"
+            )
+        chunk, kv = chunks[0], chunks[0].kv
+        logits, kv.cache = self.forward(chunk.token_ids, kv.for_forward(), chunk.lora)
+        return logits.unsqueeze(0) if chunk.want_logits else logits.new_empty((0, len(logits)))
+
+    def stable_rows(self) -> DeterministicRows | None:
+        """The row counts the linear layers round alike at, measured now (batched models
+        only: a model run one sequence at a time has no rows to pad)."""
+        return DeterministicRows(linear_layers(self.model)) if self.batched else None
 
     # ---- compute --------------------------------------------------------
 

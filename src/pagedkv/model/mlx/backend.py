@@ -110,6 +110,8 @@ class MlxBackend(TextMethods):
         self.config = config
         self.name = name
         self.model_dir = model_dir
+        # Where the seam's tensors live: MLX's KV converts to CPU tensors (`convert`).
+        self.device = torch.device("cpu")
         self.max_token_chars = max_chars_per_token(tokenizer)
         self.kinds: LayerKinds = layer_kinds(make_prompt_cache(model))
         self.kv_layers: tuple[int, ...] = self.kinds.kv_layers
@@ -197,14 +199,14 @@ class MlxBackend(TextMethods):
     def new_kv(self, capacity: int) -> MlxSeqKV:
         """An empty sequence: `StoredKVCache`s in the KV format, or, for a model this
         backend does not cache, the cache objects mlx-lm makes for it."""
-        caches: list[Any]
+        make: Callable[[], list[Any]]
         if self.prefix_caching_supported:
-            storage = mx_dtype(self.kv_format.storage_dtype)
-            caches = [StoredKVCache(storage) for _ in range(self.num_layers)]
+            storage, layers = mx_dtype(self.kv_format.storage_dtype), self.num_layers
+            make = lambda: [StoredKVCache(storage) for _ in range(layers)]  # noqa: E731
         else:
-            caches = make_prompt_cache(self.model)
+            make = lambda: make_prompt_cache(self.model)  # noqa: E731
         return MlxSeqKV(
-            caches, self.kv_layers, self.kv_format.storage_dtype, self.num_kv_heads,
+            make, self.kv_layers, self.kv_format.storage_dtype, self.num_kv_heads,
             self.head_dim, capacity,
         )  # fmt: skip
 
@@ -230,8 +232,7 @@ class MlxBackend(TextMethods):
             kv = chunk.kv
             if not isinstance(kv, MlxSeqKV):
                 raise TypeError(f"an MLX step got {type(kv).__name__} KV, not MlxSeqKV")
-            if kv.num_tokens != chunk.start:
-                raise ValueError(f"a chunk at {chunk.start} of a sequence holding {kv.num_tokens}")
+            kv.rewind(chunk.start)
             seqs.append(kv)
         decode = [i for i, c in enumerate(chunks) if not c.is_prompt]
         together = decode if self.batched and group_decode and len(decode) >= 2 else []
@@ -261,8 +262,8 @@ class MlxBackend(TextMethods):
         kernels on first use)."""
         ids = self.encode("warm up") or [0]
         kv = self.new_kv(len(ids) + 1)
-        self.forward_step([SeqChunk(kv, 0, ids, True)])  # type: ignore[arg-type]
-        self.forward_step([SeqChunk(kv, len(ids), ids[:1], True)])  # type: ignore[arg-type]
+        self.forward_step([SeqChunk(kv, 0, ids, True)])
+        self.forward_step([SeqChunk(kv, len(ids), ids[:1], True)])
 
     def __repr__(self) -> str:
         return (

@@ -19,6 +19,8 @@ while the engine's batch changes at every step (sequences join, finish, prefill)
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -26,7 +28,7 @@ import torch
 from mlx_lm.models.cache import KVCache
 
 from pagedkv.errors import ModelNotSupportedError
-from pagedkv.model.mlx.convert import mx_dtype, to_mx, to_torch
+from pagedkv.model.mlx.convert import to_mx, to_torch
 
 
 class StoredKVCache(KVCache):
@@ -50,21 +52,24 @@ class StoredKVCache(KVCache):
 
 class MlxSeqKV:
     """A sequence's KV: `caches[i]` is decoder layer i's mlx-lm cache object, and the
-    attention layers' caches (`kv_layers`) are `StoredKVCache`s. `capacity` is the
-    room the worker budgets; MLX arrays grow by themselves, so it is only recorded.
-    Restored KV is written into a torch buffer (`restore_target`) and copied into
-    MLX arrays once, in `set_restored`."""
+    attention layers' caches (`kv_layers`) are `StoredKVCache`s (`make_caches` makes
+    a fresh set). `capacity` is the room the worker budgets; MLX arrays grow by
+    themselves, so it is only recorded. Restored KV is written into a torch buffer
+    (`restore_target`) and copied into MLX arrays once, in `set_restored`, which
+    starts the sequence afresh: the worker reuses a finished sequence's KV (a spare)
+    whatever it still holds."""
 
     def __init__(
         self,
-        caches: list[Any],
+        make_caches: Callable[[], list[Any]],
         kv_layers: tuple[int, ...],
         storage: torch.dtype,
         num_kv_heads: int,
         head_dim: int,
         capacity: int,
     ) -> None:
-        self.caches = caches
+        self.make_caches = make_caches
+        self.caches = make_caches()
         self.kv_layers = kv_layers
         self.storage = storage
         self.num_kv_heads = num_kv_heads
@@ -92,9 +97,11 @@ class MlxSeqKV:
             raise ModelNotSupportedError(
                 "the MLX backend restores no recurrent state (state_layout is None)"
             )
-        if self.num_tokens:
-            raise ValueError(f"set_restored on a sequence already holding {self.num_tokens} tokens")
         target = self.restore_target()
+        self.caches = self.make_caches()
+        if not num_tokens:
+            self._target = None
+            return
         for row, layer in enumerate(self.kv_layers):
             kv = to_mx(target[row, :, :, :num_tokens])  # [2, H, n, D]
             self.caches[layer].adopt(kv[0][None], kv[1][None])
@@ -110,30 +117,69 @@ class MlxSeqKV:
         ]
         return to_torch(mx.stack(rows))
 
+    def rewind(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` only: a chunk starts there. A spare reused with
+        caching off (no `set_restored`) starts at 0 whatever it held."""
+        held = self.num_tokens
+        if num_tokens > held:
+            raise ValueError(f"a chunk at {num_tokens} of a sequence holding {held} tokens")
+        if num_tokens == held:
+            return
+        if not num_tokens:
+            self.caches = self.make_caches()
+            return
+        for i in self.kv_layers:
+            if not self.caches[i].is_trimmable():
+                raise ValueError(f"layer {i}'s {type(self.caches[i]).__name__} cannot rewind")
+            self.caches[i].trim(held - num_tokens)
+
     def grown(self, capacity: int, num_tokens: int) -> MlxSeqKV:
-        if num_tokens != self.num_tokens:
-            raise ValueError(
-                f"grown keeping {num_tokens} tokens of a sequence holding {self.num_tokens}"
-            )
+        self.rewind(num_tokens)
         self._capacity = max(self._capacity, capacity)
         return self
 
     def copy(self, num_tokens: int, capacity: int) -> MlxSeqKV:
-        caches: list[Any] = []
+        fork = MlxSeqKV(
+            self.make_caches, self.kv_layers, self.storage, self.num_kv_heads, self.head_dim,
+            capacity,
+        )  # fmt: skip
+        if not num_tokens:
+            return fork
+        if num_tokens > self.num_tokens:
+            raise ValueError(
+                f"a fork of {num_tokens} tokens of a sequence holding {self.num_tokens}"
+            )
         for i, cache in enumerate(self.caches):
-            clone = StoredKVCache(mx_dtype(self.storage))
-            if i in self.kv_layers and num_tokens:
+            if isinstance(cache, StoredKVCache):
+                assert cache.keys is not None and cache.values is not None
                 # Slices are new arrays: the fork's writes never reach this sequence's.
-                clone.adopt(cache.keys[..., :num_tokens, :], cache.values[..., :num_tokens, :])
-            caches.append(clone)
-        return MlxSeqKV(
-            caches, self.kv_layers, self.storage, self.num_kv_heads, self.head_dim, capacity
-        )
+                keys, values = cache.keys[..., :num_tokens, :], cache.values[..., :num_tokens, :]
+                fork.caches[i].adopt(keys, values)
+            elif num_tokens == self.num_tokens:  # a sliding window or a recurrent state
+                fork.caches[i] = _clone(cache)
+            else:
+                raise ModelNotSupportedError(
+                    f"cannot fork the first {num_tokens} of {self.num_tokens} tokens of an MLX "
+                    f"sequence whose layer {i} keeps a {type(cache).__name__}"
+                )
+        return fork
 
     def snapshot(self) -> torch.Tensor:
         raise ModelNotSupportedError(
             "the MLX backend takes no recurrent-state snapshots (state_layout is None)"
         )
+
+
+def _clone(cache: Any) -> Any:
+    """A copy of an mlx-lm cache object whose arrays are copies: mlx-lm updates its
+    arrays in place (`keys[..., i:j, :] = ...`), which would reach a shared array."""
+    clone = copy.copy(cache)
+    for name, value in vars(cache).items():
+        if isinstance(value, mx.array):
+            setattr(clone, name, mx.array(value))
+        elif isinstance(value, list):
+            setattr(clone, name, [mx.array(v) if isinstance(v, mx.array) else v for v in value])
+    return clone
 
 
 class DecodeLayer:
