@@ -38,6 +38,7 @@ from pagedkv.errors import (
     EngineClosedError,
     EngineOverloadedError,
     ImagePromptError,
+    ModelNotSupportedError,
     PagedKVError,
     RequestTooLargeError,
 )
@@ -136,6 +137,8 @@ class Engine:
     def _set_up(self, given: Backend | Callable[[], Backend]) -> None:
         """On the worker thread: load, build the cache, the scheduler and the worker, warm up."""
         adapter = _loaded(given)
+        if self.scheduling.deterministic and adapter.deterministic_reason is not None:
+            raise ModelNotSupportedError(adapter.deterministic_reason)
         self.adapter = adapter
         self.adapters = Adapters(adapter, self._call, self.max_lora_rank)
         log.info("sampling defaults of %s: %s", adapter.name, self.sampling_defaults.describe())
@@ -556,8 +559,10 @@ class Engine:
             cache=self.prefix.stats() if self.prefix is not None else None,
             scheduling=scheduling,
             runtime=RuntimeInfo(
-                backend="transformers",
-                device=str(self.adapter.device),
+                # The library that computes: transformers on torch, or mlx-lm on MLX, whose
+                # seam tensors sit on the CPU while it computes on `compute_device` (Metal).
+                backend="transformers" if self.adapter.backend_name == "torch" else "mlx-lm",
+                device=str(getattr(self.adapter, "compute_device", self.adapter.device)),
                 dtype=str(self.adapter.dtype).removeprefix("torch."),
                 kv_dtype=self.config.kv_dtype,
             ),

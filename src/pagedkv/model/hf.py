@@ -194,6 +194,7 @@ class ModelAdapter(TextMethods):
         self.prefix_caching_supported: bool = self.unsupported_reason is None
         self._static_identity: dict[str, str] | None = None
         self.unbatched_reason: str | None = self._use_ragged_attention(params)
+        self.deterministic_reason: str | None = None  # one-sequence mode is deterministic too
         self.batched: bool = self.unbatched_reason is None
         # The linear layers' kernel, in the identity: KV computed another way rounds otherwise.
         self.linear_kernel = "torch"

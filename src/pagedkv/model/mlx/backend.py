@@ -98,6 +98,7 @@ class MlxBackend(TextMethods):
     """
 
     backend_name = "mlx"
+    deterministic_reason: str | None = DETERMINISTIC_REASON
     vision = None
     lora_layers = None
 
@@ -143,6 +144,11 @@ class MlxBackend(TextMethods):
         self._static_identity: dict[str, str] | None = None
 
     # ---- identity -------------------------------------------------------
+
+    @property
+    def compute_device(self) -> str:
+        """Where MLX computes (`cpu`, or `gpu`: Metal), for the engine's stats."""
+        return ident.device_name()
 
     @property
     def kv_bytes_per_token(self) -> int:
