@@ -33,7 +33,12 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from pagedkv.cache.identity import NAMESPACE_FIELDS, namespace_digest
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.batch import SeqChunk
-from pagedkv.model.generation_defaults import SamplingDefaults, read_sampling_defaults
+from pagedkv.model.bundled import BUNDLED_MODEL_NAME
+from pagedkv.model.generation_defaults import (
+    BUNDLED_DEFAULTS,
+    SamplingDefaults,
+    read_sampling_defaults,
+)
 from pagedkv.model.kinds import LayerKinds
 from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.mlx import identity as ident
@@ -140,6 +145,8 @@ class MlxBackend(TextMethods):
         self.max_context = int(config.get("max_position_embeddings") or 2048)
         self.eos_token_ids = _eos_token_ids(generation_config, tokenizer)
         self.sampling_defaults: SamplingDefaults = read_sampling_defaults(generation_config)
+        if name == BUNDLED_MODEL_NAME and self.sampling_defaults.source == "none":
+            self.sampling_defaults = BUNDLED_DEFAULTS  # as the torch backend does
         self.linear_kernel = ident.linear_kernel(config)
         self._static_identity: dict[str, str] | None = None
 
