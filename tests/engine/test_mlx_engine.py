@@ -200,12 +200,26 @@ def test_refused_options_say_why(model_dir: Path) -> None:
         eng.load_adapter("sql", str(model_dir))
 
 
-def test_sliding_window_model_serves_with_caching_off_and_says_why(tmp_path: Path) -> None:
-    directory = make_tiny_model(tmp_path / "gemma", arch="gemma3_text", seed=3)
+@pytest.mark.parametrize(
+    ("arch", "cache_class"), [("gemma3_text", "RotatingKVCache"), ("falcon_h1", "CacheList")]
+)
+def test_sliding_and_hybrid_models_serve_uncached_and_say_why(
+    tmp_path: Path, arch: str, cache_class: str
+) -> None:
+    """A sliding-window model (mlx-lm keeps a sliding layer's last tokens only) and a
+    hybrid (attention beside a Mamba mixer): served one sequence per call with prefix
+    caching off, the reason naming mlx-lm's cache class; n > 1 forks the caches."""
+    directory = make_tiny_model(tmp_path / arch, arch=arch, seed=3)
     prompt = random_prompt(5, 40)
     with _mlx(directory) as eng:
         stats = eng.cache_stats()
-        assert not stats.prefix_caching and "RotatingKVCache" in (stats.caching_off_reason or "")
+        assert not stats.prefix_caching and cache_class in (stats.caching_off_reason or "")
         first = eng.generate(prompt, GREEDY)
         assert eng.generate(prompt, GREEDY).token_ids == first.token_ids
         assert eng.explain(prompt).miss is not None
+        many = SamplingParams(max_tokens=6, temperature=0.9, seed=3, n=2, ignore_eos=True)
+        forks = eng.generate_n(prompt, many)
+        single = eng.generate(
+            prompt, SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True)
+        )
+        assert forks[1].token_ids == single.token_ids

@@ -28,7 +28,13 @@ from typing import Any
 
 import mlx.core as mx
 import torch
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from pagedkv.cache.identity import NAMESPACE_FIELDS, namespace_digest
 from pagedkv.errors import ModelNotSupportedError
@@ -78,6 +84,11 @@ def layer_kinds(caches: list[Any]) -> LayerKinds:
             kinds.append("state")
             windows.append(None)
             problems.append(f"layer {i}: recurrent state (ArraysCache)")
+        elif isinstance(cache, CacheList):  # Falcon-H1: a Mamba mixer beside attention
+            parts = [type(c).__name__ for c in cache.caches]
+            kinds.append("state+full" if "KVCache" in parts else "state")
+            windows.append(None)
+            problems.append(f"layer {i}: CacheList of {', '.join(parts)}")
         else:
             kinds.append("none")
             windows.append(None)
@@ -92,6 +103,14 @@ def layer_kinds(caches: list[Any]) -> LayerKinds:
         )
     unbatched = None if unsupported is None else "its mlx-lm caches are not all KVCache"
     return LayerKinds(tuple(kinds), tuple(windows), unsupported, unbatched)
+
+
+def _keys_of(cache: Any) -> mx.array:
+    """The keys of a layer's attention cache, inside a `CacheList` too."""
+    for part in getattr(cache, "caches", (cache,)):
+        if getattr(part, "keys", None) is not None:
+            return part.keys
+    raise ModelNotSupportedError(f"found no attention keys in mlx-lm's {type(cache).__name__}")
 
 
 class MlxBackend(TextMethods):
@@ -136,7 +155,7 @@ class MlxBackend(TextMethods):
         self.vocab_size = int(logits.shape[-1])
         self.num_kv_heads, self.head_dim, compute = 0, 0, mx.float32
         if self.kv_layers:
-            keys = caches[self.kv_layers[0]].keys
+            keys = _keys_of(caches[self.kv_layers[0]])
             _, self.num_kv_heads, _, self.head_dim = (int(d) for d in keys.shape)
             compute = keys.dtype
         self.compute_dtype = compute
@@ -264,6 +283,8 @@ class MlxBackend(TextMethods):
             out = self.model(ids, cache=layers)
             for row, i in enumerate(together):
                 last[i] = out[row, -1]
+        for chunk, kv in zip(chunks, seqs, strict=True):
+            kv.advance(len(chunk.token_ids))
         wanted = [last[i].astype(mx.float32) for i, c in enumerate(chunks) if c.want_logits]
         mx.eval(wanted, [[c.state for c in s.caches] for s in seqs])
         if not wanted:
@@ -306,9 +327,12 @@ def load_mlx_model(directory: Path, name: str) -> MlxBackend:
     try:
         model, _ = mlx_load_model(directory)
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (ValueError, OSError, KeyError, FileNotFoundError) as exc:
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        # TypeError: mlx-lm's model arguments lack a field its code wants (a config
+        # written by a transformers version whose field names mlx-lm does not read).
         raise ModelNotSupportedError(
-            f"cannot load {str(directory)!r} through mlx-lm: {exc}"
+            f"cannot load {str(directory)!r} through mlx-lm ({type(exc).__name__}: {exc}); "
+            "use --backend torch"
         ) from exc
     try:
         generation = GenerationConfig.from_pretrained(directory, local_files_only=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 import torch
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, _BaseCache
 
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.mlx.convert import to_mx, to_torch
@@ -75,6 +75,7 @@ class MlxSeqKV:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self._capacity = capacity
+        self._length = 0
         self._target: torch.Tensor | None = None
 
     @property
@@ -83,8 +84,13 @@ class MlxSeqKV:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens whose KV the sequence holds."""
-        return int(self.caches[self.kv_layers[0]].offset) if self.kv_layers else 0
+        """Tokens the sequence's caches hold (counted here: a recurrent or combined
+        layer's mlx-lm cache has no offset to read it from)."""
+        return self._length
+
+    def advance(self, num_tokens: int) -> None:
+        """The model has just run `num_tokens` more tokens through the caches."""
+        self._length += num_tokens
 
     def restore_target(self) -> torch.Tensor:
         if self._target is None:
@@ -99,6 +105,7 @@ class MlxSeqKV:
             )
         target = self.restore_target()
         self.caches = self.make_caches()
+        self._length = num_tokens
         if not num_tokens:
             self._target = None
             return
@@ -126,12 +133,13 @@ class MlxSeqKV:
         if num_tokens == held:
             return
         if not num_tokens:
-            self.caches = self.make_caches()
+            self.caches, self._length = self.make_caches(), 0
             return
-        for i in self.kv_layers:
-            if not self.caches[i].is_trimmable():
-                raise ValueError(f"layer {i}'s {type(self.caches[i]).__name__} cannot rewind")
-            self.caches[i].trim(held - num_tokens)
+        for i, cache in enumerate(self.caches):
+            if not isinstance(cache, KVCache) or not cache.is_trimmable():
+                raise ValueError(f"layer {i}'s {type(cache).__name__} cannot rewind")
+            cache.trim(held - num_tokens)
+        self._length = num_tokens
 
     def grown(self, capacity: int, num_tokens: int) -> MlxSeqKV:
         self.rewind(num_tokens)
@@ -145,6 +153,7 @@ class MlxSeqKV:
         )  # fmt: skip
         if not num_tokens:
             return fork
+        fork._length = num_tokens
         if num_tokens > self.num_tokens:
             raise ValueError(
                 f"a fork of {num_tokens} tokens of a sequence holding {self.num_tokens}"
@@ -175,11 +184,19 @@ def _clone(cache: Any) -> Any:
     arrays in place (`keys[..., i:j, :] = ...`), which would reach a shared array."""
     clone = copy.copy(cache)
     for name, value in vars(cache).items():
-        if isinstance(value, mx.array):
-            setattr(clone, name, mx.array(value))
-        elif isinstance(value, list):
-            setattr(clone, name, [mx.array(v) if isinstance(v, mx.array) else v for v in value])
+        setattr(clone, name, _copied(value))
     return clone
+
+
+def _copied(value: Any) -> Any:
+    """Arrays copied, caches cloned (a `CacheList` holds caches), in lists and tuples too."""
+    if isinstance(value, mx.array):
+        return mx.array(value)
+    if isinstance(value, list | tuple):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, _BaseCache):
+        return _clone(value)
+    return value
 
 
 class DecodeLayer:
