@@ -247,3 +247,19 @@ def test_sliding_window_model_runs_uncached_with_a_named_reason(tmp_path: Path) 
     kv, chunked = _prefill(b, ids, [20])
     one, [want] = _prefill(b, ids, [])
     assert _greedy(b, kv, chunked[-1], 4) == _greedy(b, one, want, 4)
+
+
+def test_prompt_chunks_compute_the_last_rows_logits_only(backend: MlxBackend) -> None:
+    """The output layer runs on a prompt chunk's last row alone (`mlx/last_row.py`), and
+    those logits equal the last row of the whole model's output, bit for bit."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pagedkv.model.mlx.convert import to_torch
+
+    assert backend._last_row is not None
+    ids = backend.encode(TEXT)
+    whole = backend.model(mx.array([ids]), cache=make_prompt_cache(backend.model))
+    assert whole.shape[1] == len(ids)  # outside a step: every row, as mlx-lm computes
+    _, [got] = _prefill(backend, ids, [])
+    assert torch.equal(got, to_torch(whole[0, -1].astype(mx.float32)))

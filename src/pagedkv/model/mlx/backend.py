@@ -49,6 +49,8 @@ from pagedkv.model.kinds import LayerKinds
 from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.mlx import identity as ident
 from pagedkv.model.mlx.convert import mx_dtype, to_torch, torch_dtype
+from pagedkv.model.mlx.last_row import install as install_last_row
+from pagedkv.model.mlx.last_row import last_row_only
 from pagedkv.model.mlx.seq_kv import DecodeLayer, MlxSeqKV, StoredKVCache
 from pagedkv.model.state import StateLayout
 from pagedkv.model.text import TextMethods
@@ -148,6 +150,8 @@ class MlxBackend(TextMethods):
         self.unbatched_reason: str | None = self.kinds.unbatched
         self.batched = self.unbatched_reason is None
         self.state_layout: StateLayout | None = None
+        # Prompt chunks compute their last row's logits only, where that is exact.
+        self._last_row = install_last_row(model)
         # One token through a fresh cache: the KV's heads, width and dtype, and the vocab.
         caches = make_prompt_cache(model)
         logits = model(mx.array([[0]]), cache=caches)
@@ -272,7 +276,8 @@ class MlxBackend(TextMethods):
         for i, chunk in enumerate(chunks):
             if i not in together:
                 ids = mx.array([list(chunk.token_ids)])
-                last[i] = self.model(ids, cache=seqs[i].caches)[0, -1]
+                with last_row_only(self._last_row):
+                    last[i] = self.model(ids, cache=seqs[i].caches)[0, -1]
         if together:
             rows = [seqs[i] for i in together]
             starts = [chunks[i].start for i in together]
