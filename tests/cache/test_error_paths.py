@@ -141,7 +141,7 @@ def test_a_failing_copy_releases_the_matched_blocks(monkeypatch: pytest.MonkeyPa
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("injected: copy failed")
 
-    monkeypatch.setattr("pagedkv.cache.prefix.copy_prefix", broken)
+    monkeypatch.setattr("pagedkv.cache.restore.copy_prefix", broken)
     with pytest.raises(RuntimeError, match="injected"):
         lookup(cache, PROMPT)
     assert_no_leak(cache, before)

@@ -10,7 +10,7 @@ import torch
 from memory_tier import MemoryTier, fake_kv
 
 from pagedkv.cache import prefault as prefault_mod
-from pagedkv.cache import prefix as prefix_mod
+from pagedkv.cache import restore as restore_mod
 from pagedkv.cache.hashing import BlockHasher
 from pagedkv.cache.pool import BlockPool
 from pagedkv.cache.prefix import PrefixCache
@@ -56,13 +56,13 @@ def test_lower_tier_blocks_are_placed_as_they_arrive_and_not_copied_again(monkey
     prompt = list(range(100, 127))  # 6 full blocks and 3 tokens
     _serve(make_cache(tier), prompt)  # fills the tier
     placed_args: list[int] = []
-    real = prefix_mod.copy_prefix
+    real = restore_mod.copy_prefix
 
     def spy(*args: object) -> None:
         placed_args.append(args[8] if len(args) > 8 else 0)  # type: ignore[arg-type]
         real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(prefix_mod, "copy_prefix", spy)
+    monkeypatch.setattr(restore_mod, "copy_prefix", spy)
     n, seen = _serve(make_cache(tier), prompt)  # a restart: RAM empty, the tier has it
     assert n == len(prompt) - 1
     assert placed_args == [6], "the tier's blocks were not copied in as they arrived"

@@ -10,26 +10,25 @@ only; the pool's own lock keeps `stats()` readable from other threads.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagedkv.cache import restore
 from pagedkv.cache.block import Block
 from pagedkv.cache.explain import LookupParts, PrefixExplanation, explain_lookup
 from pagedkv.cache.hashing import BlockHasher, ExtraKeys, HashChain, TokenIds
 from pagedkv.cache.history import CacheHistory
 from pagedkv.cache.leases import DEFAULT_MAX_LEASED_FRACTION, LeaseRequest, LeaseTable
 from pagedkv.cache.pool import BlockPool, BlockTable, PoolStats
-from pagedkv.cache.prefault import prefault as start_prefault
 from pagedkv.cache.ram import RamBlockStore
+from pagedkv.cache.restore import RestorePlan
 from pagedkv.cache.segments import ImageHistory
 from pagedkv.cache.snapshots import SnapshotStore
 from pagedkv.cache.split import WindowSplit
 from pagedkv.cache.tiers import Found, LowerTiers
-from pagedkv.cache.window import copy_prefix
 from pagedkv.errors import OutOfBlocksError
 from pagedkv.storage.base import BlockMeta, KVBlock, TierStats
 
@@ -292,91 +291,42 @@ class RequestCache:
         partial = match.blocks[len(full)] if len(match.blocks) > len(full) else None
         self.table = full
         cache.ram_hit_blocks += len(match.blocks)
-        found: list[Found] = []
-        prefault: list[threading.Thread] = []
-        snapshots = cache.snapshots
-        # Where every layer keeps the whole prefix in one entry, a lower-tier block
-        # goes into `out` as soon as its read completes, while the others are read.
-        early = cache.split is None and snapshots is None and not cache.ram.layout.windows
-        placed: set[int] = set()
-        first = len(full) * bs
-
-        def place(i: int, f: Found) -> None:
-            lo = first + i * bs
-            if lo + bs <= out.shape[3] and f.block.kv.dtype == out.dtype:
-                out[:, :, :, lo : lo + bs].copy_(f.block.kv)
-                placed.add(i)
-
-        def before_read(run: int) -> None:
-            skip = (first, first + run * bs) if early else (0, 0)
-            prefault.append(start_prefault(out, skip))
-
+        plan = RestorePlan(full, partial, match.num_tokens)
         try:
-            lower = cache.lower
-            if lower and len(full) < len(chain.hashes):
-                found = lower.fetch_full(
-                    chain.hashes,
-                    chain.parent_keys,
-                    chain.tokens,
-                    len(full),
-                    bs,
-                    before_read,
-                    place if early else None,
-                )
-            ram_tokens = match.num_tokens
-            if found and partial is not None:  # whole blocks beat a partial match
-                cache.pool.free([partial])
-                partial, ram_tokens = None, len(full) * bs
-            num_full = len(full) + len(found)
-            tail_tokens = 0
-            if lower and snapshots is None and partial is None and num_full * bs < chain.num_tokens:
-                hit = lower.fetch_partial(
-                    chain.parent_keys[num_full], chain.tokens[num_full * bs :]
-                )
-                if hit is not None:
-                    self._tail, tail_tokens = hit
-            for thread in prefault:  # never leave a thread writing into `out`
-                thread.join()
-            prefault = []
-            n = min(max(ram_tokens, num_full * bs + tail_tokens), limit)
-            if snapshots is not None:  # only where a snapshot of the state is
-                blocks, self.restored_state = snapshots.find(
-                    chain.hashes, chain.tokens, bs, n // bs
-                )
-                n = blocks * bs
-                found = found[: max(0, blocks - len(full))]
-            parts: list[torch.Tensor | None] | None = None
+            restore.find_lower(cache, chain, plan, out)
+            plan.n = min(max(plan.ram_tokens, plan.reached * bs + plan.tail_tokens), limit)
+            if cache.snapshots is not None:  # only where a snapshot of the state is
+                restore.trim_to_snapshot(cache, chain, plan)
             if cache.split is not None:  # the sliding layers' KV, stored apart
-                stored = [f.block for f in found] + ([self._tail.block] if self._tail else [])
-                n, parts = cache.split.fetch_windows(cache.lower.tiers, stored, len(full), n, bs)
-                found = found[: max(0, min(len(found), -(-n // bs) - len(full)))]
-                if self._tail is not None and n <= num_full * bs:
-                    self._tail = None
-                self._found_parts = parts[: len(found)]
-            ram_tokens = min(ram_tokens, n)
-            cache.leases.renew_hits(chain.hashes[:num_full])
-            ids = [b.block_id for b in full] + ([partial.block_id] if partial else [])
-            pieces = [f.block.kv for f in found] + ([self._tail.block.kv] if self._tail else [])
-            done = next((i for i in range(len(found)) if i not in placed), len(found))
-            copy_prefix(cache.ram, ids, ram_tokens, pieces, parts, len(full), out, n, done)
+                restore.trim_to_windows(cache, plan)
+            plan.ram_tokens = min(plan.ram_tokens, plan.n)
+            cache.leases.renew_hits(chain.hashes[: plan.reached])
+            restore.write(cache, plan, out)
         except BaseException:
-            for thread in prefault:
-                thread.join()
             self.release()
             raise
         finally:
-            if partial is not None:
-                cache.pool.free([partial])
+            if plan.partial is not None:
+                cache.pool.free([plan.partial])
+        self._record(plan)
+        return plan.n
+
+    def _record(self, plan: RestorePlan) -> None:
+        """Keep what a restore found (cached into RAM from here later) and count its
+        tokens by tier."""
+        bs, found, n = self._cache.block_size, plan.found, plan.n
+        self._tail, self.restored_state = plan.tail, plan.state
+        if plan.parts is not None:
+            self._found_parts = plan.parts[: len(found)]
         self._sources = [f.tier for f in found]
         self._found_kv = [f.block.kv for f in found]
         self._found_metas = [f.block.meta for f in found]
         self.num_cached_tokens = n
-        self._count("ram", ram_tokens)
+        self._count("ram", plan.ram_tokens)
         for i, f in enumerate(found):
-            self._count(f.tier, max(0, min(bs, n - (len(full) + i) * bs)))
+            self._count(f.tier, max(0, min(bs, n - (len(plan.full) + i) * bs)))
         if self._tail is not None:
-            self._count(self._tail.tier, max(0, n - num_full * bs))
-        return n
+            self._count(self._tail.tier, max(0, n - plan.reached * bs))
 
     def lease(self, tenant: str | None, request: LeaseRequest) -> int:
         """Lease the full blocks of the prompt's first `request.num_tokens` tokens (or

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.cache.explain import MissCause, PrefixExplanation
+from pagedkv.cache.prefix import PrefixCache, RequestCache
 
 _CONTEXT = 8  # tokens of the caller's own prompt shown on each side of the miss
 
@@ -155,3 +156,27 @@ def caching_off(num_tokens: int, reason: str | None) -> CacheExplanation:
     detail = f"prefix caching is off ({reason or 'unknown reason'}): every token is computed"
     tiers = {"ram": 0, "ssd": 0, "redis": 0}
     return CacheExplanation(num_tokens, 0, tiers, MissReport(0, "new", detail))
+
+
+def lookup_line(
+    prefix: PrefixCache,
+    tokens: list[int],
+    handle: RequestCache,
+    decode: Callable[[Sequence[int]], str],
+    miss_reasons: dict[str, int],
+) -> str:
+    """The attribution `POST /v1/cache/explain` would give for a request the worker is
+    starting, as its debug line; the reason is counted in `miss_reasons`
+    (`pagedkv_explain_misses_total`)."""
+    found = prefix.explain(tokens, handle.extra, chain=handle.chain)
+    exp = describe(found, tokens, decode)
+    miss = exp.miss
+    if miss is not None:
+        miss_reasons[miss.reason] = miss_reasons.get(miss.reason, 0) + 1
+    cause = "no miss"
+    if miss is not None:
+        cause = f"miss at {miss.token_index}: {miss.reason}, {miss.detail}"
+    return (
+        f"prefix lookup: {exp.cached_tokens} of {exp.prompt_tokens} prompt tokens "
+        f"cached {exp.tiers}; {cause}"
+    )

@@ -94,3 +94,19 @@ class Sequence:
             stored_tokens=self.stored_tokens,
             leased_tokens=req.leased_tokens,
         )
+
+
+def unborn_result(req: Request, index: int) -> GenerationResult:
+    """The result of sample `index`, cancelled before it was forked."""
+    return GenerationResult(
+        text="",
+        token_ids=[],
+        prompt_tokens=len(req.prompt),
+        cached_tokens=0,
+        ttft_s=0.0,
+        finish_reason="cancelled",
+        total_s=time.perf_counter() - req.submitted,
+        logprobs=[] if req.params.logprobs else None,
+        top_logprobs=[] if req.params.top_logprobs else None,
+        index=index,
+    )

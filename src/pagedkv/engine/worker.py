@@ -10,12 +10,8 @@ Who runs and how much KV each holds is the scheduler's: the worker asks it
 (`start`, `grow`, `preempt`, `finish`, the spare accounting) and never edits
 its queues or budget itself.
 
-Spare KV: a finished sequence's KV is kept (a few, inside the KV budget) and the
-next sequence of about its size writes into it. A new buffer's pages cost
-their first touch, which on the virtual machines measured took 63-83 ms for 190
-MB against 8 ms for the same copy into touched memory: most of a RAM hit's
-restore. Spares are given up before a sequence waits for memory or is
-preempted.
+A finished sequence's KV is kept for the next one of about its size
+(`engine.spares`).
 
 Fault isolation: a failure in one sequence's cache path (lookup, restore,
 caching) degrades it to recomputing, or ends that sequence alone with its
@@ -34,20 +30,18 @@ from collections.abc import Callable
 
 import torch
 
-from pagedkv.cache.prefix import PrefixCache, RequestCache
+from pagedkv.cache.prefix import PrefixCache
 from pagedkv.engine.detokenize import Detokenizer
-from pagedkv.engine.explain import describe
-from pagedkv.engine.request import GenerationResult, Request, StreamEvent
+from pagedkv.engine.explain import lookup_line
+from pagedkv.engine.request import Request, StreamEvent
 from pagedkv.engine.sampling import Sampler
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.sequence import Sequence
+from pagedkv.engine.sequence import Sequence, unborn_result
+from pagedkv.engine.spares import SpareKV
 from pagedkv.model.backend import Backend, SeqKV
 from pagedkv.model.batch import SeqChunk
 
 log = logging.getLogger(__name__)
-
-# Freed KV kept for reuse, at most (each also inside the KV budget).
-_MAX_SPARES = 4
 
 
 class Worker:
@@ -77,7 +71,7 @@ class Worker:
         # tiers' indexes, so it is done only when someone reads the line.
         self.miss_reasons: dict[str, int] = {}
         self.steps = 0
-        self.spares: list[SeqKV] = []  # freed sequences' KV, newest last
+        self.spares = SpareKV(backend, scheduler)
 
     @property
     def busy(self) -> bool:
@@ -156,37 +150,13 @@ class Worker:
         if self.spares and sched.waiting and not sched.head_fits():
             # Memory for the head before KV for later ones, and before another
             # owner's sequence starts ahead of it.
-            self._drop_spares()
+            self.spares.drop_all()
         return sched.next_to_admit()
-
-    def _new_kv(self, seq: Sequence) -> SeqKV:
-        """KV for `seq.capacity` tokens (reserved): a spare of that size up to twice it,
-        whose extra capacity `seq` then reserves, or a new one."""
-        for i, spare in enumerate(self.spares):
-            if seq.capacity <= spare.capacity <= 2 * seq.capacity:
-                del self.spares[i]
-                self.scheduler.use_spare(seq, spare.capacity)
-                return spare
-        return self.backend.new_kv(seq.capacity)
-
-    def _keep_spare(self, kv: SeqKV) -> None:
-        """Keep KV no sequence uses any more, if the budget has room for it (batched
-        backends only: `model.backend`, where a `SeqKV` is reused)."""
-        if not self.backend.batched:
-            return
-        if len(self.spares) >= _MAX_SPARES:
-            self.scheduler.drop_spare(self.spares.pop(0).capacity)
-        if self.scheduler.keep_spare(kv.capacity):
-            self.spares.append(kv)
-
-    def _drop_spares(self) -> None:
-        while self.spares:
-            self.scheduler.drop_spare(self.spares.pop().capacity)
 
     def _start(self, seq: Sequence) -> None:
         """Give a started sequence its KV and restore its cached prefix into it."""
         try:
-            seq.kv = self._new_kv(seq)
+            seq.kv = self.spares.new_kv(seq)
             target = seq.kv.restore_target() if self.prefix is not None else None
         except Exception as exc:  # an allocation the machine cannot give
             log.exception("allocating KV for a request failed")
@@ -197,7 +167,11 @@ class Worker:
             try:
                 seq.handle = self.prefix.begin(seq.tokens, seq.request.extra)
                 if not seq.admitted and log.isEnabledFor(logging.DEBUG):
-                    self._log_lookup(seq.tokens, seq.handle)
+                    line = lookup_line(
+                        self.prefix, seq.tokens, seq.handle, self.backend.decode,
+                        self.miss_reasons,
+                    )  # fmt: skip
+                    log.debug("%s", line)
                 restored = seq.handle.restore_into(target, len(seq.tokens) - 1)
             except Exception:
                 log.warning("prefix lookup failed; recomputing the prompt", exc_info=True)
@@ -213,25 +187,6 @@ class Worker:
             seq.tier_hits = dict(seq.handle.tier_hits) if seq.handle is not None else {}
             seq.admitted = True
 
-    def _log_lookup(self, tokens: list[int], handle: RequestCache) -> None:
-        """The attribution `POST /v1/cache/explain` would give, for this request; its
-        reason is counted in `miss_reasons` (`pagedkv_explain_misses_total`)."""
-        assert self.prefix is not None
-        found = self.prefix.explain(tokens, handle.extra, chain=handle.chain)
-        exp = describe(found, tokens, self.backend.decode)
-        miss = exp.miss
-        if miss is not None:
-            self.miss_reasons[miss.reason] = self.miss_reasons.get(miss.reason, 0) + 1
-        log.debug(
-            "prefix lookup: %d of %d prompt tokens cached %s; %s",
-            exp.cached_tokens,
-            exp.prompt_tokens,
-            exp.tiers,
-            "no miss"
-            if miss is None
-            else f"miss at {miss.token_index}: {miss.reason}, {miss.detail}",
-        )
-
     def _make_room(self) -> None:
         """Grow the KV of sequences about to outgrow it, preempting the scheduler's
         victims while the budget cannot cover the growth."""
@@ -244,7 +199,7 @@ class Worker:
                 continue
             while not sched.fits(need - seq.capacity):
                 if self.spares:
-                    self._drop_spares()
+                    self.spares.drop_all()
                     continue
                 victim = sched.victim()
                 assert victim is not None
@@ -268,7 +223,7 @@ class Worker:
         kv = self._release(seq, cache=True)
         self.scheduler.preempt(seq)
         if kv is not None:
-            self._keep_spare(kv)
+            self.spares.keep(kv)
 
     def _release(self, seq: Sequence, cache: bool) -> SeqKV | None:
         """Give back the blocks `seq` holds (with `cache`, first cache its computed KV)
@@ -471,7 +426,7 @@ class Worker:
         kv = self._release(seq, cache=seq.finish_reason not in ("cancelled", "error"))
         self.scheduler.finish(seq)
         if kv is not None:
-            self._keep_spare(kv)
+            self.spares.keep(kv)
         req = seq.request
         result = seq.result()
         req.results.append(result)
@@ -485,7 +440,7 @@ class Worker:
         for index in range(first_unborn, req.params.n):
             req.num_open -= 1
             if not req.failed:
-                unborn = _unborn_result(req, index)
+                unborn = unborn_result(req, index)
                 req.events.put(StreamEvent([], "", finished=True, result=unborn, index=index))
         seq.samples_to_fork = 0
         if req.num_open <= 0:
@@ -498,19 +453,3 @@ class Worker:
                 self._fail(seq, exc)
             except Exception:  # keep going: every caller must hear the end
                 log.exception("ending a request failed")
-
-
-def _unborn_result(req: Request, index: int) -> GenerationResult:
-    """The result of sample `index`, cancelled before it was forked."""
-    return GenerationResult(
-        text="",
-        token_ids=[],
-        prompt_tokens=len(req.prompt),
-        cached_tokens=0,
-        ttft_s=0.0,
-        finish_reason="cancelled",
-        total_s=time.perf_counter() - req.submitted,
-        logprobs=[] if req.params.logprobs else None,
-        top_logprobs=[] if req.params.top_logprobs else None,
-        index=index,
-    )

@@ -1,0 +1,58 @@
+"""Spare KV: finished sequences' `SeqKV`s kept for the next sequence of about their size.
+
+A new buffer's pages cost their first touch, which on the virtual machines
+measured took 63-83 ms for 190 MB against 8 ms for the same copy into touched
+memory: most of a RAM hit's restore. So a finished sequence's KV is kept (a
+few, and only inside the KV budget: `Scheduler.keep_spare` counts each one) and
+the next sequence that needs about its capacity writes into it, whatever it
+still holds. Spares are given up (`drop_all`) before a sequence waits for
+memory or is preempted. Only a batched backend's KV is kept: the contract
+(`model.backend`) lets it be restored into again; a transformers cache is not.
+"""
+
+from __future__ import annotations
+
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.sequence import Sequence
+from pagedkv.model.backend import Backend, SeqKV
+
+# Spares kept, at most (each also inside the KV budget).
+MAX_SPARES = 4
+
+
+class SpareKV:
+    """The spares, oldest first; their capacity is counted by the scheduler."""
+
+    def __init__(self, backend: Backend, scheduler: Scheduler) -> None:
+        self._backend = backend
+        self._scheduler = scheduler
+        self._kvs: list[SeqKV] = []
+
+    def __len__(self) -> int:
+        return len(self._kvs)
+
+    def __getitem__(self, i: int) -> SeqKV:
+        return self._kvs[i]
+
+    def new_kv(self, seq: Sequence) -> SeqKV:
+        """KV for `seq.capacity` tokens (reserved): a spare of that size up to twice it,
+        whose extra capacity `seq` then reserves, or a new one from the backend."""
+        for i, spare in enumerate(self._kvs):
+            if seq.capacity <= spare.capacity <= 2 * seq.capacity:
+                del self._kvs[i]
+                self._scheduler.use_spare(seq, spare.capacity)
+                return spare
+        return self._backend.new_kv(seq.capacity)
+
+    def keep(self, kv: SeqKV) -> None:
+        """Keep KV no sequence uses any more, if the budget has room for it."""
+        if not self._backend.batched:
+            return
+        if len(self._kvs) >= MAX_SPARES:
+            self._scheduler.drop_spare(self._kvs.pop(0).capacity)
+        if self._scheduler.keep_spare(kv.capacity):
+            self._kvs.append(kv)
+
+    def drop_all(self) -> None:
+        while self._kvs:
+            self._scheduler.drop_spare(self._kvs.pop().capacity)
