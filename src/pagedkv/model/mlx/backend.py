@@ -120,7 +120,8 @@ class MlxBackend(TextMethods):
 
     Invariants: every array a step computes is evaluated before `forward_step`
     returns (MLX is lazy; an unevaluated cache would grow one graph across a whole
-    generation). One worker thread owns it, as MLX's default stream is per thread.
+    generation). Not thread-safe: one worker thread owns it (the engine loads and
+    computes on its worker thread, as for torch).
     """
 
     backend_name = "mlx"
