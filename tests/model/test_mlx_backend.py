@@ -263,3 +263,24 @@ def test_prompt_chunks_compute_the_last_rows_logits_only(backend: MlxBackend) ->
     assert whole.shape[1] == len(ids)  # outside a step: every row, as mlx-lm computes
     _, [got] = _prefill(backend, ids, [])
     assert torch.equal(got, to_torch(whole[0, -1].astype(mx.float32)))
+
+
+def test_rope_theta_of_a_transformers_5_config_reaches_mlx(tmp_path: Path) -> None:
+    """transformers 5 writes RoPE under `rope_parameters`; mlx-lm's Llama reads only a
+    top-level `rope_theta` (else 10000). With a theta of 500 the MLX logits must match
+    torch's on the same weights (float32, the same sums up to rounding), which they
+    do not at theta 10000."""
+    from pagedkv.model.hf import load_model
+
+    directory = make_tiny_model(
+        tmp_path / "theta",
+        arch="llama",
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
+    assert "rope_theta" not in (directory / "config.json").read_text().split("rope_parameters")[0]
+    mlx = load_mlx_model(directory, "theta")
+    torch_adapter = load_model(directory, device="cpu")
+    ids = mlx.encode(TEXT)
+    _, [got] = _prefill(mlx, ids, [])
+    want, _ = torch_adapter.forward(ids)
+    assert torch.allclose(got, want, atol=1e-3), float((got - want).abs().max())

@@ -324,14 +324,32 @@ def _eos_token_ids(generation_config: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def rope_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings as mlx-lm's models read them (`rope_theta`, `rope_scaling` at the
+    top level) from a config that transformers 5 wrote (`rope_parameters`). mlx-lm's
+    Llama and Qwen read only the top-level names and otherwise take theta 10000: the
+    bundled SmolLM2 (theta 100000, written by transformers 5 when converted) ran with
+    the wrong positions until this."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" in config:
+        return {}
+    fields: dict[str, Any] = {}
+    if "rope_theta" in params:
+        fields["rope_theta"] = params["rope_theta"]
+    if params.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        fields["rope_scaling"] = dict(params)
+    return fields
+
+
 def load_mlx_model(directory: Path, name: str) -> MlxBackend:
     """Load a resolved model directory (`model.resolve`) through mlx-lm, with
     transformers' tokenizer and generation config. Never touches the network."""
     from mlx_lm.utils import load_model as mlx_load_model
     from transformers import AutoTokenizer, GenerationConfig
 
+    config = json.loads((directory / "config.json").read_text())
     try:
-        model, _ = mlx_load_model(directory)
+        model, _ = mlx_load_model(directory, model_config=rope_fields(config))
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     except (ValueError, OSError, KeyError, TypeError) as exc:
         # TypeError: mlx-lm's model arguments lack a field its code wants (a config
@@ -344,7 +362,6 @@ def load_mlx_model(directory: Path, name: str) -> MlxBackend:
         generation = GenerationConfig.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError):
         generation = None
-    config = json.loads((directory / "config.json").read_text())
     backend = MlxBackend(
         model, tokenizer, config, name=name, model_dir=directory, generation_config=generation
     )
