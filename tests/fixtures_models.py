@@ -140,8 +140,9 @@ def make_tiny_tokenizer(add_bos: bool = False, chat_template: str | None = None)
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {},
     "qwen2": {"use_sliding_window": False},
-    "qwen3": {"head_dim": 16, "use_sliding_window": False},
     "mistral": {"sliding_window": None},
+    # q/k norms, no biases, an explicit head_dim
+    "qwen3": {"head_dim": 16, "use_sliding_window": False},
     # sliding / global alternation: 3 layers sliding, the 4th global
     "gemma3_text": {"num_hidden_layers": 4, "sliding_window_pattern": 4, "head_dim": 16,
                     "query_pre_attn_scalar": 16, "sliding_window": 16},

@@ -17,6 +17,8 @@ KV_DTYPES = ("auto", "bfloat16", "float16", "int8")
 # `--dtype`: the model's weights and activations; int8 is int8 weights with float32
 # activations and KV (`model.linear.quantize_linears`), CPU only.
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+# What computes the model (`--backend`, `model.choose`).
+BACKENDS = ("auto", "torch", "mlx")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -112,6 +114,9 @@ class CacheConfig:
     # Models with recurrent layers: snapshot the state every this many blocks.
     snapshot_interval_blocks: int = 1
     kv_dtype: str = "auto"  # one of KV_DTYPES; part of the namespace
+    # What computes the model (`model.choose`): "auto", "torch" or "mlx"; the backend is
+    # part of the namespace, so torch and MLX KV never mix in a tier.
+    backend: str = "auto"
     # Store each finished turn in the next prompt's form too when the chat template strips
     # reasoning: "auto" (a render test decides), "on", "off" (`engine.reasoning`).
     reasoning_cache: str = "auto"
@@ -131,6 +136,8 @@ class CacheConfig:
             raise ValueError(
                 f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {self.kv_dtype!r}"
             )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if self.reasoning_cache not in ("auto", "on", "off"):
             raise ValueError(
                 f"reasoning_cache must be 'auto', 'on' or 'off'; got {self.reasoning_cache!r}"

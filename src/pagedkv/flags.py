@@ -12,7 +12,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.config import DTYPES, KV_DTYPES, CacheConfig, default_ssd_cache_dir, parse_size
+from pagedkv.config import (
+    BACKENDS,
+    DTYPES,
+    KV_DTYPES,
+    CacheConfig,
+    default_ssd_cache_dir,
+    parse_size,
+)
 
 if TYPE_CHECKING:
     from pagedkv.engine.scheduler import SchedulerConfig
@@ -36,6 +43,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help=f"the bundled '{DEFAULT_MODEL}' (the default), a Hugging Face model directory, a "
         ".gguf file, or a Hub id ORG/NAME[@REVISION] already in the local Hugging Face cache "
         "(never downloaded; see docs/usage.md)",
+    )
+    g.add_argument(
+        "--backend",
+        default=env("--backend", "auto"),
+        choices=list(BACKENDS),
+        help="what computes the model: torch (transformers) or mlx (mlx-lm; needs "
+        "pip install 'pagedkv[mlx]'); default auto: mlx on a Mac with Apple silicon when it "
+        "is installed, else torch (see docs/usage.md)",
     )
     g.add_argument(
         "--device",
@@ -250,6 +265,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         enable_prefix_caching=not args.no_prefix_cache,
         snapshot_interval_blocks=getattr(args, "snapshot_interval_blocks", 1),
         kv_dtype=getattr(args, "kv_dtype", "auto"),
+        backend=getattr(args, "backend", "auto"),
         reasoning_cache=getattr(args, "reasoning_cache", "auto"),
         max_leased_fraction=getattr(args, "max_leased_fraction", 0.5),
         vision_cache_bytes=parse_size(getattr(args, "vision_cache_bytes", "256MiB")),

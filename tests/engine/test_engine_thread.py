@@ -18,16 +18,17 @@ def test_from_pretrained_loads_and_computes_on_the_worker_thread(
 ) -> None:
     seen: dict[str, set[threading.Thread]] = {"load": set(), "forward": set()}
     forward = ModelAdapter.forward_batch
+    load = engine_module.load_backend
 
     def recording_load(*args: object, **kwargs: object) -> ModelAdapter:
         seen["load"].add(threading.current_thread())
-        return load_model(*args, **kwargs)  # type: ignore[arg-type]
+        return load(*args, **kwargs)  # type: ignore[no-any-return, arg-type]
 
     def recording_forward(self: ModelAdapter, *args: object, **kwargs: object) -> object:
         seen["forward"].add(threading.current_thread())
         return forward(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(engine_module, "load_model", recording_load)
+    monkeypatch.setattr(engine_module, "load_backend", recording_load)
     monkeypatch.setattr(ModelAdapter, "forward_batch", recording_forward)
     with Engine.from_pretrained(str(tiny_llama_dir), config=CacheConfig(block_size=8)) as eng:
         eng.generate([5, 6, 7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=4))

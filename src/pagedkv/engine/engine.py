@@ -38,11 +38,12 @@ from pagedkv.errors import (
     EngineClosedError,
     EngineOverloadedError,
     ImagePromptError,
+    ModelNotSupportedError,
     PagedKVError,
     RequestTooLargeError,
 )
-from pagedkv.model import load_model
 from pagedkv.model.backend import Backend
+from pagedkv.model.choose import load_backend
 from pagedkv.model.fingerprint import describe_namespace
 from pagedkv.model.generation_defaults import SamplingDefaults
 from pagedkv.model.lora import DEFAULT_MAX_LORA_RANK, LoraWeights
@@ -119,19 +120,25 @@ class Engine:
         max_queue: int = 64,
         scheduling: SchedulerConfig | None = None,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+        backend: str | None = None,
     ) -> Engine:
         """Load `model` on the worker thread: the bundled model's name, a Hugging Face
         directory, a .gguf file or a Hub id in the local Hugging Face cache
-        (`pagedkv.model.resolve`)."""
+        (`pagedkv.model.resolve`), computed by `backend` ("auto", "torch", "mlx";
+        None: `config.backend`, `model.choose`)."""
+        chosen = backend or (config.backend if config is not None else "auto")
 
         def load() -> Backend:
-            return load_model(model, device=device, dtype=dtype)
+            backend: Backend = load_backend(model, chosen, device=device, dtype=dtype)
+            return backend
 
         return cls(load, config, max_queue, scheduling, max_lora_rank)
 
     def _set_up(self, given: Backend | Callable[[], Backend]) -> None:
         """On the worker thread: load, build the cache, the scheduler and the worker, warm up."""
         adapter = _loaded(given)
+        if self.scheduling.deterministic and adapter.deterministic_reason is not None:
+            raise ModelNotSupportedError(adapter.deterministic_reason)
         self.adapter = adapter
         self.adapters = Adapters(adapter, self._call, self.max_lora_rank)
         log.info("sampling defaults of %s: %s", adapter.name, self.sampling_defaults.describe())
@@ -552,8 +559,10 @@ class Engine:
             cache=self.prefix.stats() if self.prefix is not None else None,
             scheduling=scheduling,
             runtime=RuntimeInfo(
-                backend="transformers",
-                device=str(self.adapter.device),
+                # The library that computes: transformers on torch, or mlx-lm on MLX, whose
+                # seam tensors sit on the CPU while it computes on `compute_device` (Metal).
+                backend="transformers" if self.adapter.backend_name == "torch" else "mlx-lm",
+                device=str(getattr(self.adapter, "compute_device", self.adapter.device)),
                 dtype=str(self.adapter.dtype).removeprefix("torch."),
                 kv_dtype=self.config.kv_dtype,
             ),

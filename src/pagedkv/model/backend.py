@@ -116,6 +116,7 @@ class Backend(Protocol):
     unsupported_reason: str | None  # why prefix caching is off, if it is
     batched: bool
     unbatched_reason: str | None  # why `forward_step` takes one chunk at a time, if it does
+    deterministic_reason: str | None  # why the deterministic option is refused, if it is
     vision: Any  # a VLM's image side (`model.vision.VisionModel`), or None
     lora_layers: Any  # `model.lora_layers.LoraLayers`, or None where adapters are refused
 

@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pagedkv.cache.identity import NAMESPACE_FIELDS, namespace_digest
 from pagedkv.config import DTYPES
-from pagedkv.errors import ImagePromptError, ModelNotSupportedError, PromptTooLongError
+from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.batch import (
     ATTENTION_NAME,
     DeterministicRows,
@@ -32,6 +32,7 @@ from pagedkv.model.batch import (
     ragged_kernel_name,
 )
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME
+from pagedkv.model.choose import mlx_quantization
 from pagedkv.model.fingerprint import canonical_config, weights_digest
 from pagedkv.model.generation_defaults import (
     BUNDLED_DEFAULTS,
@@ -46,10 +47,10 @@ from pagedkv.model.lora import LoraWeights
 from pagedkv.model.lora_layers import LoraLayers, adapter_order, lora_groups, unpermute_wanted
 from pagedkv.model.resolve import resolve_model
 from pagedkv.model.state import StateLayout, cache_layer_problem, probe_state_layout
-from pagedkv.model.token_bound import fewest_tokens, max_chars_per_token
+from pagedkv.model.text import TextMethods
+from pagedkv.model.token_bound import max_chars_per_token
 from pagedkv.model.torch_kv import BufferKV, CacheKV
 from pagedkv.model.vision import (
-    ImagePrompt,
     VisionModel,
     is_vision_config,
     load_vision_model,
@@ -103,7 +104,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-class ModelAdapter:
+class ModelAdapter(TextMethods):
     """A loaded causal LM plus the tokenizer and the KV-cache plumbing the engine needs:
     the torch `model.backend.Backend` (`new_kv`, `forward_step`, `stable_rows`), over
     the lower-level `forward_batch` (ragged batch, KV buffers) and `forward`
@@ -193,6 +194,7 @@ class ModelAdapter:
         self.prefix_caching_supported: bool = self.unsupported_reason is None
         self._static_identity: dict[str, str] | None = None
         self.unbatched_reason: str | None = self._use_ragged_attention(params)
+        self.deterministic_reason: str | None = None  # one-sequence mode is deterministic too
         self.batched: bool = self.unbatched_reason is None
         # The linear layers' kernel, in the identity: KV computed another way rounds otherwise.
         self.linear_kernel = "torch"
@@ -523,76 +525,6 @@ class ModelAdapter:
         _, cache = self.forward(ids, None)
         self.forward(ids[:1], cache)
 
-    # ---- text -----------------------------------------------------------
-
-    def encode(self, text: str, max_tokens: int | None = None) -> list[int]:
-        """Token ids of plain text, with the special tokens the tokenizer adds by default
-        (a BOS for Llama-style tokenizers, nothing for ChatML-style ones). A text that
-        cannot fit `max_tokens` tokens is refused before it is tokenized."""
-        self.check_length(text, max_tokens)
-        return list(self.tokenizer.encode(text))
-
-    def check_length(self, text: str, max_tokens: int | None) -> None:
-        """Raise PromptTooLongError when `text` is more characters than `max_tokens`
-        tokens can cover (never where the tokenizer gives no bound)."""
-        per_token = self.max_token_chars
-        if max_tokens is None or per_token is None or len(text) <= max_tokens * per_token:
-            return
-        raise PromptTooLongError(len(text), fewest_tokens(len(text), per_token), max_tokens)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        max_tokens: int | None = None,
-        **kwargs: Any,
-    ) -> list[int]:
-        """Token ids of a conversation in the model's chat template, generation prompt
-        added unless asked not to; refused before tokenizing when the rendered text
-        cannot fit `max_tokens` tokens."""
-        if self.vision is not None:
-            prompt = self.render_chat(messages, add_generation_prompt, max_tokens, **kwargs)
-            if prompt.images:
-                raise ImagePromptError(
-                    "this path renders text only; send a conversation with images "
-                    "through render_chat, which returns their spans"
-                )
-            return prompt.token_ids
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ModelNotSupportedError(
-                f"model {self.name} has no chat template; send plain text prompts instead"
-            )
-        # Rendered, then tokenized as apply_chat_template(tokenize=True) does (no added
-        # special tokens: the template wrote them), so a text too long is refused first.
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
-        )
-        self.check_length(text, max_tokens)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return [int(i) for i in ids]
-
-    def render_chat(
-        self,
-        messages: Sequence[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        max_tokens: int | None = None,
-        **kwargs: Any,
-    ) -> ImagePrompt:
-        """A conversation whose messages may hold image parts, through the processor
-        (`VisionModel.render`): ids with each image's placeholder tokens, and the
-        images' spans. A model without images refuses image parts."""
-        if self.vision is None:
-            raise ImagePromptError(f"model {self.name} takes no images; send text content only")
-        return self.vision.render(
-            messages,
-            add_generation_prompt,
-            check=lambda text: self.check_length(text, max_tokens),
-            **kwargs,
-        )
-
     def __repr__(self) -> str:
         return (
             f"ModelAdapter({self.name!r}, device={self.device}, dtype={self.dtype}, "
@@ -639,6 +571,11 @@ def load_model(
     text = str(name_or_path)
     resolved = resolve_model(name_or_path)
     directory, name = resolved.directory, resolved.name
+    if (quant := mlx_quantization(directory)) is not None:
+        raise ModelNotSupportedError(
+            f"cannot load {text!r} with the torch backend: it is an MLX-quantized model "
+            f"(config.json has quantization {quant}); serve it with --backend mlx"
+        )
     model: Any
     processor: Any = None
     try:
