@@ -67,3 +67,20 @@ def test_spares_give_way_to_a_sequence_that_needs_the_budget(tiny_llama_dir: Pat
         assert not sched.fits(len(big) + GREEDY.max_tokens)
         assert eng.generate(big, GREEDY).token_ids == want
         assert sched.reserved_tokens + sched.spare_tokens <= sched.budget_tokens
+
+
+def test_a_forked_sample_takes_a_spare(tiny_llama_dir: Path) -> None:
+    """A request's second sample copies the prompt's KV into a spare, not into a new
+    buffer (whose pages would cost their first touch), and answers as in a fresh engine."""
+    params = SamplingParams(max_tokens=12, n=2, temperature=1.0, seed=5)
+    asked = _prompt(6, 40)
+    with _engine(tiny_llama_dir) as fresh:
+        want = [r.token_ids for r in fresh.generate_n(asked, params)]
+    with _engine(tiny_llama_dir) as eng:
+        worker = eng._worker
+        eng.generate_n(_prompt(7, 40), params)  # two samples end: two spares
+        assert len(worker.spares) == 2
+        buffers = {s.restore_target().data_ptr() for s in worker.spares}
+        got = [r.token_ids for r in eng.generate_n(asked, params)]
+        assert got == want
+        assert {s.restore_target().data_ptr() for s in worker.spares} == buffers

@@ -35,14 +35,32 @@ class SpareKV:
         return self._kvs[i]
 
     def new_kv(self, seq: Sequence) -> SeqKV:
-        """KV for `seq.capacity` tokens (reserved): a spare of that size up to twice it,
-        whose extra capacity `seq` then reserves, or a new one from the backend."""
+        """KV for `seq.capacity` tokens (reserved): a spare (`take`) or a new one."""
+        spare = self.take(seq)
+        return spare if spare is not None else self._backend.new_kv(seq.capacity)
+
+    def take(self, seq: Sequence) -> SeqKV | None:
+        """A spare for `seq.capacity` tokens (reserved): one of that size up to twice it,
+        whose extra capacity `seq` then reserves; None if no spare fits."""
         for i, spare in enumerate(self._kvs):
             if seq.capacity <= spare.capacity <= 2 * seq.capacity:
                 del self._kvs[i]
                 self._scheduler.use_spare(seq, spare.capacity)
                 return spare
-        return self._backend.new_kv(seq.capacity)
+        return None
+
+    def moved(self, kv: SeqKV, seq: Sequence) -> SeqKV | None:
+        """`kv`'s first `seq.num_computed` tokens in a spare with room for `seq.capacity`
+        (reserved), written as a restored prefix is (`restore_target`, `set_restored`);
+        None when no spare fits. Growth and forks take spares too: a new buffer's pages
+        cost their first touch, as the module docstring says."""
+        spare = self.take(seq)
+        if spare is None:
+            return None
+        n = seq.num_computed
+        spare.restore_target()[:, :, :, :n].copy_(kv.kv_of(0, n))
+        spare.set_restored(n, None)
+        return spare
 
     def keep(self, kv: SeqKV) -> None:
         """Keep KV no sequence uses any more, if the budget has room for it."""

@@ -209,7 +209,10 @@ class Worker:
             if seq in sched.running:
                 sched.grow(seq, need)
                 if seq.kv is not None:
-                    seq.kv = seq.kv.grown(need, seq.num_computed)
+                    moved = self.spares.moved(seq.kv, seq)
+                    if moved is None:
+                        moved = seq.kv.grown(seq.capacity, seq.num_computed)
+                    seq.kv = moved
 
     def _preempt(self, seq: Sequence) -> None:
         """Stop `seq` and free its KV: what it computed goes to the prefix cache, so it
@@ -407,8 +410,10 @@ class Worker:
                 self._finish(sib)
 
     def _copy_kv(self, kv: SeqKV, sib: Sequence) -> SeqKV:
-        """A copy of `kv`'s first `sib.num_computed` tokens with room for `sib.capacity`."""
-        return kv.copy(sib.num_computed, sib.capacity)
+        """A copy of `kv`'s first `sib.num_computed` tokens with room for `sib.capacity`:
+        in a spare where one fits, else in new KV from the backend."""
+        moved = self.spares.moved(kv, sib)
+        return kv.copy(sib.num_computed, sib.capacity) if moved is None else moved
 
     # -- the end ------------------------------------------------------------------------
 
