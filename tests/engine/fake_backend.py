@@ -74,6 +74,7 @@ class FakeBackend:
         self.out = torch.randn((WIDTH, VOCAB), generator=gen)
         self.name = "fake"
         self.backend_name = "fake"
+        self.refused_features: dict[str, str] = {}
         self.tokenizer = FakeTokenizer()
         self.max_token_chars: int | None = None
         self.max_context = 2048

@@ -22,6 +22,7 @@ from fixtures_models import make_tiny_model
 from pagedkv import CacheConfig, Engine, SamplingParams
 from pagedkv.engine import SchedulerConfig
 from pagedkv.errors import ModelNotSupportedError
+from pagedkv.server.metrics import stats_json
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -196,8 +197,15 @@ def test_refused_options_say_why(model_dir: Path) -> None:
         _mlx(model_dir, SchedulerConfig(deterministic=True), enable_prefix_caching=False)
     with pytest.raises(ModelNotSupportedError, match="int8"):
         _mlx(model_dir, kv_dtype="int8")
-    with _mlx(model_dir) as eng, pytest.raises(Exception, match="--backend torch"):
-        eng.load_adapter("sql", str(model_dir))
+    with _mlx(model_dir) as eng:
+        with pytest.raises(Exception, match="--backend torch"):
+            eng.load_adapter("sql", str(model_dir))
+        # GET /v1/cache/stats names each refused feature with its reason
+        runtime = stats_json(eng.cache_stats())["runtime"]
+        assert runtime["backend"] == "mlx-lm"
+        refused = runtime["refused"]
+        assert set(refused) == {"deterministic", "kv_dtype int8", "lora", "images"}
+        assert "--backend torch" in refused["lora"] and "bfloat16" in refused["kv_dtype int8"]
 
 
 @pytest.mark.parametrize(

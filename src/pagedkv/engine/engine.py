@@ -565,6 +565,7 @@ class Engine:
                 device=str(getattr(self.adapter, "compute_device", self.adapter.device)),
                 dtype=str(self.adapter.dtype).removeprefix("torch."),
                 kv_dtype=self.config.kv_dtype,
+                refused=dict(self.adapter.refused_features),
             ),
             request_misses=worker.miss_reasons.copy(),
             vision=self.adapter.vision.cache.stats() if self.adapter.vision else None,

@@ -54,6 +54,9 @@ class RuntimeInfo:
     device: str
     dtype: str
     kv_dtype: str
+    # What the backend refuses whatever the model, by name, with why
+    # (`Backend.refused_features`).
+    refused: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

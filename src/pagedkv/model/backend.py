@@ -117,6 +117,9 @@ class Backend(Protocol):
     batched: bool
     unbatched_reason: str | None  # why `forward_step` takes one chunk at a time, if it does
     deterministic_reason: str | None  # why the deterministic option is refused, if it is
+    # The features this backend refuses whatever the model, by name, with why; GET
+    # /v1/cache/stats lists them (`runtime.refused`). Empty: it has every feature.
+    refused_features: dict[str, str]
     vision: Any  # a VLM's image side (`model.vision.VisionModel`), or None
     lora_layers: Any  # `model.lora_layers.LoraLayers`, or None where adapters are refused
 

@@ -195,6 +195,7 @@ class ModelAdapter(TextMethods):
         self._static_identity: dict[str, str] | None = None
         self.unbatched_reason: str | None = self._use_ragged_attention(params)
         self.deterministic_reason: str | None = None  # one-sequence mode is deterministic too
+        self.refused_features: dict[str, str] = {}
         self.batched: bool = self.unbatched_reason is None
         # The linear layers' kernel, in the identity: KV computed another way rounds otherwise.
         self.linear_kernel = "torch"

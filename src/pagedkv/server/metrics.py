@@ -188,6 +188,8 @@ def stats_json(stats: EngineStats) -> dict[str, Any]:
         "caching_off_reason": stats.caching_off_reason,
         "requests": dataclasses.asdict(stats.requests),
     }
+    if stats.runtime is not None:
+        out["runtime"] = dataclasses.asdict(stats.runtime)
     if stats.scheduling is not None:
         out["scheduling"] = dataclasses.asdict(stats.scheduling)
     if stats.vision is not None:

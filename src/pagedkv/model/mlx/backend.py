@@ -67,6 +67,10 @@ DETERMINISTIC_REASON = (
 )
 LORA_REASON = "LoRA adapters are not available on the MLX backend; use --backend torch"
 IMAGES_REASON = "images are not available on the MLX backend; use --backend torch"
+KV_INT8_REASON = (
+    "8-bit KV is not available on the MLX backend (8-bit KV with per-row scales is torch's "
+    "ragged attention only); use kv_dtype auto, bfloat16 or float16"
+)
 
 
 def layer_kinds(caches: list[Any]) -> LayerKinds:
@@ -126,6 +130,12 @@ class MlxBackend(TextMethods):
 
     backend_name = "mlx"
     deterministic_reason: str | None = DETERMINISTIC_REASON
+    refused_features: dict[str, str] = {  # noqa: RUF012 (read only)
+        "deterministic": DETERMINISTIC_REASON,
+        "kv_dtype int8": KV_INT8_REASON,
+        "lora": LORA_REASON,
+        "images": IMAGES_REASON,
+    }
     vision = None
     lora_layers = None
 
@@ -190,10 +200,7 @@ class MlxBackend(TextMethods):
         `float16` (a cast when stored, read back for attention, fresh or restored)."""
         fmt = kv_format(name, self.dtype, max(1, self.head_dim))
         if fmt.scaled:
-            raise ModelNotSupportedError(
-                f"kv_dtype {name!r} is not available on the MLX backend (8-bit KV with "
-                "per-row scales is torch's ragged attention only); use auto, bfloat16 or float16"
-            )
+            raise ModelNotSupportedError(f"kv_dtype {name!r}: {KV_INT8_REASON}")
         if fmt.name != "auto" and not self.batched:
             raise ModelNotSupportedError(
                 f"kv_dtype {name!r} needs every layer's cache to be a KVCache, and "
