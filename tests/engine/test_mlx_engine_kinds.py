@@ -2,7 +2,8 @@
 with a 16-token window, one global) and a hybrid (LFM2: short convolutions beside one
 attention layer), prompts longer than the window: cached == fresh greedy output over
 multi-turn chats, from SSD after a restart, from Redis in a second process, in a mixed
-batch against each request alone, with kv_dtype bfloat16 and float16. Falcon-H1 stays
+batch against each request alone, with kv_dtype bfloat16 and float16; Qwen3-Next (gated
+delta rule) from SSD after a restart. Falcon-H1 stays
 uncached, its reason measured (mlx-lm's Mamba-2 scan rounds otherwise in chunks).
 
 "Fresh" is the same backend with prefix caching off (`model.mlx.layers`)."""
@@ -53,7 +54,7 @@ def _whole_hit(eng: Engine, prompt: list[int]) -> int:
     return n if eng.adapter.state_layout is None else n // BS * BS
 
 
-def test_the_layers_are_cached(model_dir: Path) -> None:
+def test_the_layers_are_cached_and_n_samples_fork(model_dir: Path) -> None:
     with _mlx(model_dir) as eng:
         stats, adapter = eng.cache_stats(), eng.adapter
         assert stats.prefix_caching, stats.caching_off_reason
@@ -62,6 +63,16 @@ def test_the_layers_are_cached(model_dir: Path) -> None:
         else:
             assert adapter.state_layout is not None and adapter.state_layout.numel > 0
             assert not adapter.batched
+        prompt = random_prompt(80, 30)  # n > 1 forks the prompt's caches
+        many = SamplingParams(max_tokens=8, temperature=0.9, seed=5, n=3, ignore_eos=True)
+        forks = eng.generate_n(prompt, many)
+        singles = [
+            eng.generate(prompt, SamplingParams(max_tokens=8, temperature=0.9, seed=5 + i,
+                                                ignore_eos=True))
+            for i in range(3)
+        ]  # fmt: skip
+        assert [r.token_ids for r in forks] == [r.token_ids for r in singles]
+        assert singles[0].cached_tokens > 0
 
 
 def test_multi_turn_chat_is_cached_and_equals_fresh(model_dir: Path) -> None:
@@ -138,6 +149,23 @@ def test_kv_dtype_cached_equals_fresh(model_dir: Path, kv_dtype: str) -> None:
         whole = _whole_hit(eng, prompts[0])
     assert [g.token_ids for g in got] == want and again.token_ids == want[0]
     assert got[1].cached_tokens >= 32 and again.cached_tokens == whole
+
+
+def test_qwen3_next_from_ssd_after_a_restart(tmp_path: Path) -> None:
+    """The other hybrid kind (gated delta rule, MoE): its snapshots too reach the SSD."""
+    directory = make_tiny_model(
+        tmp_path / "qwen3_next", arch="qwen3_next", seed=5, full_attention_interval=3
+    )
+    prompts = [random_prompt(6, 41), random_prompt(6, 41)[:27] + random_prompt(7, 9)]
+    want = _fresh(directory, prompts)
+    with _mlx(directory, ssd_cache_dir=tmp_path / "kv") as eng:
+        assert eng.cache_stats().prefix_caching
+        assert eng.generate(prompts[0], GREEDY).token_ids == want[0]
+    with _mlx(directory, ssd_cache_dir=tmp_path / "kv") as eng:
+        got = [eng.generate(p, GREEDY) for p in prompts]
+    assert [g.token_ids for g in got] == want
+    assert got[0].cached_tokens == 40 and got[0].tier_hits.get("ssd", 0) > 0
+    assert got[1].cached_tokens == 24
 
 
 def test_falcon_h1_stays_uncached_and_says_why(tmp_path: Path) -> None:

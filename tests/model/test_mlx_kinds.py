@@ -1,6 +1,6 @@
-"""The MLX backend at the seam with a sliding-window model (Gemma 3 text, 16-token
-window) and two hybrids (LFM2: short convolutions beside attention; Qwen3-Next: gated
-delta rule beside attention), bit for bit
+"""The MLX backend at the seam with sliding-window models (Gemma 3 text, Mistral with
+`layer_types`; 16-token windows) and two hybrids (LFM2: short convolutions beside
+attention; Qwen3-Next: gated delta rule beside attention), bit for bit
 (`torch.equal` on logits): a windowed restore (only the window's rows written, zeros
 before them) and a restored recurrent snapshot continue as the fresh sequence; decode
 rows of windowed sequences batched equal alone; the growing sliding cache gives
@@ -26,10 +26,21 @@ from pagedkv.model.mlx import MlxBackend, MlxSeqKV, load_mlx_model
 IDS = [(37 * i + 11) % 180 + 3 for i in range(45)]  # longer than the window, three times over
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> MlxBackend:
-    path = make_tiny_model(tmp_path_factory.mktemp("gemma") / "m", arch="gemma3_text", seed=3)
-    return load_mlx_model(path, "gemma")
+# Gemma 3 text: three sliding layers, one global; Mistral with `layer_types`, which
+# mlx-lm's llama code builds with a sliding layer (tests/model/test_mlx_agreement.py)
+SLIDING = {
+    "gemma3_text": ("gemma3_text", {}, (16, 16, 16, None)),
+    "mistral": ("mistral", {"sliding_window": 16, "layer_types": ["sliding_attention",
+                                                                  "full_attention"]},
+                (16, None)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(SLIDING))
+def sliding(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> MlxBackend:
+    arch, overrides, _ = SLIDING[request.param]
+    path = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", arch=arch, seed=3, **overrides)
+    return load_mlx_model(path, request.param)
 
 
 # mlx-lm ties LFM2's head and needs `block_dim`; it places Qwen3-Next's attention by
@@ -64,59 +75,61 @@ def _greedy(b: MlxBackend, kv: Any, logits: torch.Tensor, steps: int) -> list[to
     return out
 
 
-def test_sliding_layers_are_cached_with_their_windows(gemma: MlxBackend) -> None:
-    assert gemma.prefix_caching_supported and gemma.batched, gemma.unsupported_reason
-    assert gemma.kv_windows == (16, 16, 16, None) and gemma.state_layout is None
-    gemma.set_kv_dtype("bfloat16")  # every layer's KV is stored in the KV format
-    gemma.set_kv_dtype("auto")
+def test_sliding_layers_are_cached_with_their_windows(sliding: MlxBackend) -> None:
+    assert sliding.prefix_caching_supported and sliding.batched, sliding.unsupported_reason
+    assert sliding.kv_windows == SLIDING[sliding.name][2] and sliding.state_layout is None
+    sliding.set_kv_dtype("bfloat16")  # every layer's KV is stored in the KV format
+    sliding.set_kv_dtype("auto")
 
 
-def test_windowed_restore_continues_as_fresh(gemma: MlxBackend) -> None:
+def test_windowed_restore_continues_as_fresh(sliding: MlxBackend) -> None:
     """Sliding layers get only their window's rows, zeros before (as `cache.window`)."""
-    fresh, want = _prefill(gemma, IDS, [])
-    tail = _greedy(gemma, fresh, want, 6)
+    fresh, want = _prefill(sliding, IDS, [])
+    tail = _greedy(sliding, fresh, want, 6)
     stored = fresh.kv_of(0, len(IDS))
     for n in (len(IDS) - 1, 33, 20, 8):
-        kv = gemma.new_kv(len(IDS) + 16)
+        kv = sliding.new_kv(len(IDS) + 16)
         target = kv.restore_target()
-        for row, window in enumerate(gemma.kv_windows):
+        for row, window in enumerate(sliding.kv_windows):
             first = 0 if window is None else max(0, n - window + 1)
             target[row, :, :, first:n] = stored[row, :, :, first:n]
         kv.set_restored(n, None)
-        got = gemma.forward_step([SeqChunk(kv, n, IDS[n:], True)])[0]
+        got = sliding.forward_step([SeqChunk(kv, n, IDS[n:], True)])[0]
         assert torch.equal(got, want), n
-        assert all(torch.equal(a, b) for a, b in zip(_greedy(gemma, kv, got, 6), tail, strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(_greedy(sliding, kv, got, 6), tail, strict=True)
+        )
 
 
-def test_windowed_decode_batched_equals_alone(gemma: MlxBackend) -> None:
+def test_windowed_decode_batched_equals_alone(sliding: MlxBackend) -> None:
     prompts = [IDS[:9], IDS[:30], IDS[5:], IDS[2:20]]
     alone = []
     for p in prompts:
-        kv, _ = _prefill(gemma, p, [])
-        alone.append([gemma.forward_step([SeqChunk(kv, len(p) + s, [11 + s], True)])[0]
+        kv, _ = _prefill(sliding, p, [])
+        alone.append([sliding.forward_step([SeqChunk(kv, len(p) + s, [11 + s], True)])[0]
                       for s in range(20)])  # fmt: skip
-    kvs = [_prefill(gemma, p, [])[0] for p in prompts]
+    kvs = [_prefill(sliding, p, [])[0] for p in prompts]
     for s in range(20):  # the shorter ones cross the window too
         chunks = [
             SeqChunk(kv, len(p) + s, [11 + s], True) for kv, p in zip(kvs, prompts, strict=True)
         ]
-        out = gemma.forward_step(chunks)
+        out = sliding.forward_step(chunks)
         for i in range(len(prompts)):
             assert torch.equal(out[i], alone[i][s]), (i, s)
 
 
-def test_greedy_equals_mlx_lms_rotating_cache(gemma: MlxBackend) -> None:
+def test_greedy_equals_mlx_lms_rotating_cache(sliding: MlxBackend) -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-    caches = make_prompt_cache(gemma.model)
+    caches = make_prompt_cache(sliding.model)
     assert isinstance(caches[0], RotatingKVCache)
-    logits, theirs = gemma.model(mx.array([IDS]), cache=caches)[0, -1], []
+    logits, theirs = sliding.model(mx.array([IDS]), cache=caches)[0, -1], []
     for _ in range(16):
         theirs.append(int(mx.argmax(logits).item()))
-        logits = gemma.model(mx.array([[theirs[-1]]]), cache=caches)[0, -1]
-    kv, first = _prefill(gemma, IDS, [])
-    ours = [int(first.argmax())] + [int(x.argmax()) for x in _greedy(gemma, kv, first, 15)]
+        logits = sliding.model(mx.array([[theirs[-1]]]), cache=caches)[0, -1]
+    kv, first = _prefill(sliding, IDS, [])
+    ours = [int(first.argmax())] + [int(x.argmax()) for x in _greedy(sliding, kv, first, 15)]
     assert ours == theirs
 
 
