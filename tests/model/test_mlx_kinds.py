@@ -175,3 +175,20 @@ def test_falcon_h1_is_refused_with_the_measured_reason(
     assert b.unsupported_reason is not None and "cut into chunks" in b.unsupported_reason
     with pytest.raises(ModelNotSupportedError, match="kv_dtype 'auto'"):
         b.set_kv_dtype("bfloat16")
+
+
+def test_a_window_the_model_never_masks_is_not_cached(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Model code that leaves its window to RotatingKVCache (asks no window mask) would
+    attend past the window over a growing cache: the probe keeps mlx-lm's caches."""
+    from pagedkv.model.mlx.layers import probe
+
+    path = make_tiny_model(tmp_path_factory.mktemp("g") / "m", arch="gemma3_text", seed=3)
+    model = load_mlx_model(path, "gemma").model
+    assert probe(model).stored
+    model.model.window_size = None  # gemma3_text's mask then has no window
+    found = probe(model)
+    assert not found.stored and found.state_layout is None
+    assert found.kinds.unsupported is not None
+    assert "sliding window of 16" in found.kinds.unsupported and found.kinds.unbatched

@@ -34,6 +34,7 @@ import mlx.core as mx
 import torch
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
+from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.kinds import LayerKinds
 from pagedkv.model.mlx.convert import to_mx, to_torch, torch_dtype
 from pagedkv.model.state import StateEntry, StateLayout
@@ -149,24 +150,42 @@ def probe(model: Any) -> Probe:
     problems = [f"layer {i}: {why}" for i, (_, _, why) in enumerate(found) if why]
     ids = mx.array([list(range(PROBE_TOKENS))])
     asked: set[int] = set()
-    if problems:  # mlx-lm's own caches; nothing is substituted
-        caches, stored = native, False
-    else:
-        caches, stored = substituted(native, lambda: _WindowRecorder(asked)), True
-    logits = model(ids, cache=caches)[:, -1]
-    mx.eval(logits, [c.state for c in caches])
+    logits: mx.array | None = None
+    caches, stored = native, False
+    if not problems:
+        try:
+            caches, stored = substituted(native, lambda: _WindowRecorder(asked)), True
+            logits = model(ids, cache=caches)[:, -1]
+            mx.eval(logits, [c.state for c in caches])
+        except Exception as exc:  # model code that needs mlx-lm's own cache classes
+            problems.append(f"its code fails over growing caches ({type(exc).__name__}: {exc})")
+            caches, stored = make_prompt_cache(model), False
+    if logits is None:  # mlx-lm's own caches; nothing is substituted
+        logits = model(ids, cache=caches)[:, -1]
+        mx.eval(logits, [c.state for c in caches])
     for window in sorted({w for w in windows if w is not None} - asked if stored else ()):
         problems.append(
             f"its sliding window of {window} (RotatingKVCache) is not asked of the cache's "
             "mask by mlx-lm's model code, so a growing cache would attend past it"
         )
     layers = LayerKinds(kinds, windows)
-    layout = _state_layout(caches, layers.state_layers) if stored else None
+    layout = None
+    if stored:
+        try:
+            layout = _state_layout(caches, layers.state_layers)
+        except (ValueError, TypeError) as exc:  # an empty slot, a non-float state
+            problems.append(f"its recurrent state cannot be snapshotted ({exc})")
     if stored and layout is not None and not problems:
         problems += _chunking_problems(model, native, logits, caches, layers.state_layers)
-    keys = kv_part(caches[layers.kv_layers[0]]).keys if stored and layers.kv_layers else None
-    if keys is None and layers.kv_layers:
-        keys = next(p.keys for p in _parts(caches[layers.kv_layers[0]]) if hasattr(p, "keys"))
+    keys = None
+    if layers.kv_layers:
+        parts = _parts(caches[layers.kv_layers[0]])
+        keys = next((p.keys for p in parts if getattr(p, "keys", None) is not None), None)
+        if keys is None:
+            raise ModelNotSupportedError(
+                f"found no attention keys in layer {layers.kv_layers[0]}'s mlx-lm cache "
+                f"({', '.join(type(p).__name__ for p in parts)}); use --backend torch"
+            )
     unsupported = None
     if problems:
         shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
@@ -195,6 +214,8 @@ def _state_layout(caches: list[Any], state_layers: tuple[int, ...]) -> StateLayo
             for index, array in enumerate(cache.cache):
                 if array is None:
                     raise ValueError(f"layer {layer}'s ArraysCache slot {index} is empty")
+                if array.dtype not in _MX_OF.values():
+                    raise TypeError(f"layer {layer}'s ArraysCache slot {index} is {array.dtype}")
                 field = f"part{part}"
                 entries.append(
                     StateEntry(layer, field, index, tuple(array.shape), torch_dtype(array.dtype))
