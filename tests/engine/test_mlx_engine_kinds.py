@@ -3,7 +3,7 @@ with a 16-token window, one global) and a hybrid (LFM2: short convolutions besid
 attention layer), prompts longer than the window: cached == fresh greedy output over
 multi-turn chats, from SSD after a restart, from Redis in a second process, in a mixed
 batch against each request alone, with kv_dtype bfloat16 and float16; Qwen3-Next (gated
-delta rule) from SSD after a restart. Falcon-H1 stays
+delta rule) from SSD after a restart; LFM2 under preemption. Falcon-H1 stays
 uncached, its reason measured (mlx-lm's Mamba-2 scan rounds otherwise in chunks).
 
 "Fresh" is the same backend with prefix caching off (`model.mlx.layers`)."""
@@ -136,6 +136,28 @@ def test_mixed_batch_equals_each_request_alone(model_dir: Path) -> None:
         together = [[t for e in s for t in e.token_ids] for s in streams]
         assert eng.cache_stats().requests.cached_tokens > 0
     assert together == alone
+
+
+def test_preemption_resumes_a_hybrid_from_its_snapshot(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two long generations in a budget for one: the preempted one resumes from its
+    cached KV and recurrent snapshot (LFM2 only: hundreds of one-sequence steps)."""
+    model_dir = make_tiny_model(
+        tmp_path_factory.mktemp("mlx-lfm2-preempt") / "model", arch="lfm2", seed=3,
+        **ARCHS["lfm2"],
+    )  # fmt: skip
+    prompts = [random_prompt(70 + i, 40 + 3 * i) for i in range(2)]
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    with _mlx(model_dir) as probe:
+        want = [probe.generate(p, params).token_ids for p in prompts]
+        per_token = probe.adapter.kv_bytes_per_token
+    with _mlx(model_dir, kv_budget_bytes=620 * per_token) as eng:
+        streams = [eng.stream(p, params) for p in prompts]
+        got = [[t for e in s for t in e.token_ids] for s in streams]
+        sched = eng.cache_stats().scheduling
+    assert sched is not None and sched.preemptions > 0, "nothing was preempted"
+    assert got == want
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
