@@ -15,9 +15,10 @@ and each layer's new keys and values go into each sequence's own cache; attentio
 sees every sequence's keys padded with zeros to the longest, and a mask hides the
 padding (and, for a sliding layer, the keys before each row's window). Measured on
 mlx-cpu 0.32.4 (tests/model/test_mlx_backend.py, tests/model/test_mlx_kinds.py): a
-sequence's logits in such a batch equal its logits alone, bit for bit. Rejected: mlx-lm's
-`BatchKVCache`, which keeps a batch's KV in one left-padded array across steps,
-while the engine's batch changes at every step (sequences join, finish, prefill).
+sequence's logits in such a batch equal its logits alone, bit for bit. Rejected:
+mlx-lm's `BatchKVCache`, which keeps a batch's KV in one left-padded array across
+steps, while the engine's batch changes at every step (sequences join, finish,
+prefill).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class MlxSeqKV:
     """A sequence's KV: `caches[i]` is decoder layer i's mlx-lm cache object, and the
     attention layers' caches (`kv_layers`) are `StoredKVCache`s, inside a `CacheList`
     too (`make_caches` makes a fresh set); `state_layout`: the recurrent arrays a
-    snapshot holds (None: none). `capacity` is the room the worker budgets; MLX arrays grow by
-    themselves, so it is only recorded. Restored KV is written into a torch buffer
+    snapshot holds (None: none). `capacity` is the room the worker budgets; MLX arrays
+    grow by themselves, so it is only recorded. Restored KV is written into a torch buffer
     (`restore_target`) and copied into MLX arrays once, in `set_restored`, which
     starts the sequence afresh: the worker reuses a finished sequence's KV (a spare)
     whatever it still holds."""
