@@ -2,7 +2,8 @@
 fresh greedy output over multi-turn chats, from SSD after a restart, from Redis in a
 second process, in a mixed batch against each request alone, under preemption, with
 kv_dtype bfloat16 and float16; n > 1; torch and MLX sharing one SSD directory and one
-Redis without reading each other's blocks; the options MLX refuses, by name.
+Redis without reading each other's blocks; the options MLX refuses, by name. Sliding
+windows and recurrent layers: tests/engine/test_mlx_engine_kinds.py.
 
 "Fresh" is the same backend with prefix caching off: the promise is within one backend."""
 
@@ -206,28 +207,3 @@ def test_refused_options_say_why(model_dir: Path) -> None:
         refused = runtime["refused"]
         assert set(refused) == {"deterministic", "kv_dtype int8", "lora", "images"}
         assert "--backend torch" in refused["lora"] and "bfloat16" in refused["kv_dtype int8"]
-
-
-@pytest.mark.parametrize(
-    ("arch", "cache_class"), [("gemma3_text", "RotatingKVCache"), ("falcon_h1", "CacheList")]
-)
-def test_sliding_and_hybrid_models_serve_uncached_and_say_why(
-    tmp_path: Path, arch: str, cache_class: str
-) -> None:
-    """A sliding-window model (mlx-lm keeps a sliding layer's last tokens only) and a
-    hybrid (attention beside a Mamba mixer): served one sequence per call with prefix
-    caching off, the reason naming mlx-lm's cache class; n > 1 forks the caches."""
-    directory = make_tiny_model(tmp_path / arch, arch=arch, seed=3)
-    prompt = random_prompt(5, 40)
-    with _mlx(directory) as eng:
-        stats = eng.cache_stats()
-        assert not stats.prefix_caching and cache_class in (stats.caching_off_reason or "")
-        first = eng.generate(prompt, GREEDY)
-        assert eng.generate(prompt, GREEDY).token_ids == first.token_ids
-        assert eng.explain(prompt).miss is not None
-        many = SamplingParams(max_tokens=6, temperature=0.9, seed=3, n=2, ignore_eos=True)
-        forks = eng.generate_n(prompt, many)
-        single = eng.generate(
-            prompt, SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True)
-        )
-        assert forks[1].token_ids == single.token_ids

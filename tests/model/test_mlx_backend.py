@@ -233,22 +233,6 @@ def test_quantized_model_loads_and_restores_exactly(backend: MlxBackend, tmp_pat
     assert torch.equal(got, logits)
 
 
-def test_sliding_window_model_runs_uncached_with_a_named_reason(tmp_path: Path) -> None:
-    """mlx-lm keeps a sliding layer's last `window` tokens only (RotatingKVCache): prefix
-    caching is off, saying why, and the model still runs, one sequence per call."""
-    directory = make_tiny_model(tmp_path / "gemma", arch="gemma3_text", seed=3)
-    b = load_mlx_model(directory, "gemma")
-    assert not b.prefix_caching_supported and not b.batched
-    assert b.unsupported_reason is not None and "sliding window of 16" in b.unsupported_reason
-    assert b.kv_windows == (16, 16, 16, None)
-    with pytest.raises(ModelNotSupportedError, match="KVCache"):
-        b.set_kv_dtype("bfloat16")
-    ids = b.encode(TEXT)
-    kv, chunked = _prefill(b, ids, [20])
-    one, [want] = _prefill(b, ids, [])
-    assert _greedy(b, kv, chunked[-1], 4) == _greedy(b, one, want, 4)
-
-
 def test_prompt_chunks_compute_the_last_rows_logits_only(backend: MlxBackend) -> None:
     """The output layer runs on a prompt chunk's last row alone (`mlx/last_row.py`), and
     those logits equal the last row of the whole model's output, bit for bit."""

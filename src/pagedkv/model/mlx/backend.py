@@ -3,19 +3,25 @@
 mlx-lm builds the model from a Hugging Face safetensors directory, mlx-community's
 quantized ones (4-bit, 8-bit) included; the tokenizer is transformers' own, through
 the same text methods as the torch backend (`model.text`), so a prompt is the same
-token ids on either. A sequence's KV lives in mlx-lm's cache objects (`seq_kv`).
+token ids on either. A sequence's KV lives in mlx-lm's cache objects (`seq_kv`),
+each attention layer's (sliding ones too) a growing cache in the KV format, each
+recurrent layer's mlx-lm's own `ArraysCache` (`layers`).
 
 A step (`forward_step`): each prompt chunk runs alone through the model with its
 sequence's cache; the decode rows of every sequence run in one model call
 (`seq_kv.DecodeLayer`). Measured on mlx-cpu 0.32.4: a prompt's rows come out bit
 for bit alike whatever chunks it was cut into, and a decode row alike in a batch
-and alone (tests/model/test_mlx_backend.py); Metal's kernels are other kernels, and
-the namespace's device field keeps their KV apart.
+and alone, sliding windows included (tests/model/test_mlx_backend.py,
+tests/model/test_mlx_kinds.py); Metal's kernels are other kernels, and the
+namespace's device field keeps their KV apart. A model with recurrent layers runs
+one sequence per call (`batched` False), so the worker can snapshot between calls.
 
 What this backend does not do yet, each refused by name: prefix caching for models
-whose mlx-lm caches are not all `KVCache` (sliding windows, recurrent state: the
-model still runs, one sequence per call, caching off with `unsupported_reason`);
-kv_dtype int8; the deterministic option; LoRA adapters; images.
+whose layers `layers.probe` finds it cannot keep exactly (a cache class it does not
+know, a window the model's code does not mask, a recurrent layer that computes a
+prompt otherwise in chunks, as mlx-lm's Mamba-2 in Falcon-H1: the model still runs,
+one sequence per call, caching off with `unsupported_reason`); kv_dtype int8; the
+deterministic option; LoRA adapters; images.
 """
 
 from __future__ import annotations
@@ -28,13 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 import torch
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    KVCache,
-    RotatingKVCache,
-    make_prompt_cache,
-)
+from mlx_lm.models.cache import make_prompt_cache
 
 from pagedkv.cache.identity import NAMESPACE_FIELDS, namespace_digest
 from pagedkv.errors import ModelNotSupportedError
@@ -51,7 +51,8 @@ from pagedkv.model.mlx import identity as ident
 from pagedkv.model.mlx.convert import mx_dtype, to_torch, torch_dtype
 from pagedkv.model.mlx.last_row import install as install_last_row
 from pagedkv.model.mlx.last_row import last_row_only
-from pagedkv.model.mlx.seq_kv import DecodeLayer, MlxSeqKV, StoredKVCache
+from pagedkv.model.mlx.layers import StoredKVCache, probe, substituted
+from pagedkv.model.mlx.seq_kv import DecodeLayer, MlxSeqKV
 from pagedkv.model.state import StateLayout
 from pagedkv.model.text import TextMethods
 from pagedkv.model.token_bound import max_chars_per_token
@@ -71,52 +72,6 @@ KV_INT8_REASON = (
     "8-bit KV is not available on the MLX backend (8-bit KV with per-row scales is torch's "
     "ragged attention only); use kv_dtype auto, bfloat16 or float16"
 )
-
-
-def layer_kinds(caches: list[Any]) -> LayerKinds:
-    """Each decoder layer's kind, read from the cache object mlx-lm makes for it."""
-    kinds: list[str] = []
-    windows: list[int | None] = []
-    problems: list[str] = []
-    for i, cache in enumerate(caches):
-        if type(cache) is KVCache:
-            kinds.append("full")
-            windows.append(None)
-        elif isinstance(cache, RotatingKVCache):
-            kinds.append("sliding")
-            windows.append(int(cache.max_size))
-            problems.append(f"layer {i}: sliding window of {cache.max_size} (RotatingKVCache)")
-        elif isinstance(cache, ArraysCache):
-            kinds.append("state")
-            windows.append(None)
-            problems.append(f"layer {i}: recurrent state (ArraysCache)")
-        elif isinstance(cache, CacheList):  # Falcon-H1: a Mamba mixer beside attention
-            parts = [type(c).__name__ for c in cache.caches]
-            kinds.append("state+full" if "KVCache" in parts else "state")
-            windows.append(None)
-            problems.append(f"layer {i}: CacheList of {', '.join(parts)}")
-        else:
-            kinds.append("none")
-            windows.append(None)
-            problems.append(f"layer {i}: mlx-lm cache {type(cache).__name__}")
-    unsupported = None
-    if problems:
-        shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
-        unsupported = (
-            "the MLX backend caches only layers whose mlx-lm cache is a KVCache (full "
-            f"attention), and this model has others ({shown}): sliding-window restore and "
-            "recurrent snapshots are not implemented on MLX yet; use --backend torch to cache it"
-        )
-    unbatched = None if unsupported is None else "its mlx-lm caches are not all KVCache"
-    return LayerKinds(tuple(kinds), tuple(windows), unsupported, unbatched)
-
-
-def _keys_of(cache: Any) -> mx.array:
-    """The keys of a layer's attention cache, inside a `CacheList` too."""
-    for part in getattr(cache, "caches", (cache,)):
-        if getattr(part, "keys", None) is not None:
-            return part.keys
-    raise ModelNotSupportedError(f"found no attention keys in mlx-lm's {type(cache).__name__}")
 
 
 class MlxBackend(TextMethods):
@@ -151,7 +106,13 @@ class MlxBackend(TextMethods):
         # Where the seam's tensors live: MLX's KV converts to CPU tensors (`convert`).
         self.device = torch.device("cpu")
         self.max_token_chars = max_chars_per_token(tokenizer)
-        self.kinds: LayerKinds = layer_kinds(make_prompt_cache(model))
+        # Prompt chunks compute their last row's logits only, where that is exact.
+        self._last_row = install_last_row(model)
+        # A few tokens through fresh caches: each layer's kind, the KV's heads, width and
+        # dtype, the recurrent state's layout and the vocab (`layers.probe`).
+        found = probe(model)
+        self.kinds: LayerKinds = found.kinds
+        self._stored = found.stored
         self.kv_layers: tuple[int, ...] = self.kinds.kv_layers
         self.num_layers = len(self.kinds.kinds)
         self.num_kv_layers = len(self.kv_layers)
@@ -160,19 +121,12 @@ class MlxBackend(TextMethods):
         self.prefix_caching_supported = self.unsupported_reason is None
         self.unbatched_reason: str | None = self.kinds.unbatched
         self.batched = self.unbatched_reason is None
-        self.state_layout: StateLayout | None = None
-        # Prompt chunks compute their last row's logits only, where that is exact.
-        self._last_row = install_last_row(model)
-        # One token through a fresh cache: the KV's heads, width and dtype, and the vocab.
-        caches = make_prompt_cache(model)
-        logits = model(mx.array([[0]]), cache=caches)
-        mx.eval(logits)
-        self.vocab_size = int(logits.shape[-1])
+        self.state_layout: StateLayout | None = found.state_layout
+        self.vocab_size = found.vocab_size
         self.num_kv_heads, self.head_dim, compute = 0, 0, mx.float32
-        if self.kv_layers:
-            keys = _keys_of(caches[self.kv_layers[0]])
-            _, self.num_kv_heads, _, self.head_dim = (int(d) for d in keys.shape)
-            compute = keys.dtype
+        if found.keys is not None:
+            _, self.num_kv_heads, _, self.head_dim = (int(d) for d in found.keys.shape)
+            compute = found.keys.dtype
         self.compute_dtype = compute
         self.dtype: torch.dtype = torch_dtype(compute)
         self.kv_format: KVFormat = kv_format("auto", self.dtype, max(1, self.head_dim))
@@ -183,6 +137,7 @@ class MlxBackend(TextMethods):
             self.sampling_defaults = BUNDLED_DEFAULTS  # as the torch backend does
         self.linear_kernel = ident.linear_kernel(config)
         self._static_identity: dict[str, str] | None = None
+        self._native = make_prompt_cache(model)  # the classes `new_kv` substitutes
 
     # ---- identity -------------------------------------------------------
 
@@ -201,10 +156,11 @@ class MlxBackend(TextMethods):
         fmt = kv_format(name, self.dtype, max(1, self.head_dim))
         if fmt.scaled:
             raise ModelNotSupportedError(f"kv_dtype {name!r}: {KV_INT8_REASON}")
-        if fmt.name != "auto" and not self.batched:
+        if fmt.name != "auto" and not self._stored:
             raise ModelNotSupportedError(
-                f"kv_dtype {name!r} needs every layer's cache to be a KVCache, and "
-                f"{self.name} has others on MLX ({self.unsupported_reason}); use kv_dtype 'auto'"
+                f"kv_dtype {name!r} needs the MLX backend to keep {self.name}'s attention "
+                f"caches itself, and it keeps mlx-lm's ({self.unsupported_reason}); use "
+                "kv_dtype 'auto'"
             )
         self.kv_format = fmt
 
@@ -241,17 +197,18 @@ class MlxBackend(TextMethods):
     # ---- KV -------------------------------------------------------------
 
     def new_kv(self, capacity: int) -> MlxSeqKV:
-        """An empty sequence: `StoredKVCache`s in the KV format, or, for a model this
-        backend does not cache, the cache objects mlx-lm makes for it."""
+        """An empty sequence: mlx-lm's caches with every attention cache a growing
+        `StoredKVCache` in the KV format (`layers`), or, for a model this backend does
+        not cache, the cache objects mlx-lm makes for it."""
         make: Callable[[], list[Any]]
-        if self.prefix_caching_supported:
-            storage, layers = mx_dtype(self.kv_format.storage_dtype), self.num_layers
-            make = lambda: [StoredKVCache(storage) for _ in range(layers)]  # noqa: E731
+        if self._stored:
+            storage, native = mx_dtype(self.kv_format.storage_dtype), self._native
+            make = lambda: substituted(native, lambda: StoredKVCache(storage))  # noqa: E731
         else:
             make = lambda: make_prompt_cache(self.model)  # noqa: E731
         return MlxSeqKV(
             make, self.kv_layers, self.kv_format.storage_dtype, self.num_kv_heads,
-            self.head_dim, capacity,
+            self.head_dim, capacity, self.state_layout,
         )  # fmt: skip
 
     # ---- compute --------------------------------------------------------
@@ -332,17 +289,19 @@ def _eos_token_ids(generation_config: Any, tokenizer: Any) -> tuple[int, ...]:
 
 
 def rope_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings as mlx-lm's models read them (`rope_theta`, `rope_scaling` at the
-    top level) from a config that transformers 5 wrote (`rope_parameters`). mlx-lm's
-    Llama and Qwen read only the top-level names and otherwise take theta 10000: the
-    bundled SmolLM2 (theta 100000, written by transformers 5 when converted) ran with
-    the wrong positions until this."""
+    """RoPE settings as mlx-lm's models read them (`rope_theta`, `partial_rotary_factor`,
+    `rope_scaling` at the top level) from a config that transformers 5 wrote
+    (`rope_parameters`). mlx-lm's Llama and Qwen read only the top-level names and
+    otherwise take theta 10000: the bundled SmolLM2 (theta 100000, written by
+    transformers 5 when converted) ran with the wrong positions until this; its
+    Qwen3-Next requires `partial_rotary_factor` there and would not load."""
     params = config.get("rope_parameters")
     if not isinstance(params, dict) or "rope_theta" in config:
         return {}
     fields: dict[str, Any] = {}
-    if "rope_theta" in params:
-        fields["rope_theta"] = params["rope_theta"]
+    for name in ("rope_theta", "partial_rotary_factor"):  # Qwen3-Next needs the factor
+        if name in params and name not in config:
+            fields[name] = params[name]
     if params.get("rope_type", "default") != "default" and "rope_scaling" not in config:
         fields["rope_scaling"] = dict(params)
     return fields

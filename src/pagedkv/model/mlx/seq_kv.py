@@ -1,20 +1,24 @@
 """One sequence's KV on MLX: mlx-lm's cache objects, one per decoder layer.
 
 A sequence keeps mlx-lm's own `KVCache` per attention layer (the objects its models
-are written against), wrapped so that KV is stored in the engine's `kv_format` and
-attention reads the stored values back, the chunk just computed included: a fresh
-prefill and a restored prefix then attend over the same numbers (`model.kv_format`).
-KV crosses the seam (`model.backend`) as torch CPU tensors `[L, 2, kv_heads, tokens,
-head_dim]`; the conversion copies bytes (`convert`).
+are written against; a sliding layer's too, its mask keeping the window: `layers`),
+wrapped so that KV is stored in the engine's `kv_format` and attention reads the
+stored values back, the chunk just computed included: a fresh prefill and a restored
+prefix then attend over the same numbers (`model.kv_format`). KV crosses the seam
+(`model.backend`) as torch CPU tensors `[L, 2, kv_heads, tokens, head_dim]`; the
+conversion copies bytes (`convert`). A recurrent layer keeps mlx-lm's `ArraysCache`;
+its arrays cross as one float32 snapshot (`snapshot`, `set_restored`).
 
 `DecodeLayer` puts the decode rows of several sequences into one model call: the
 rows are a batch `[B, 1]`, each at its own position (RoPE takes a vector of offsets),
 and each layer's new keys and values go into each sequence's own cache; attention
 sees every sequence's keys padded with zeros to the longest, and a mask hides the
-padding. Measured on mlx-cpu 0.32.4 (tests/model/test_mlx_backend.py): a sequence's
-logits in such a batch equal its logits alone, bit for bit. Rejected: mlx-lm's
-`BatchKVCache`, which keeps a batch's KV in one left-padded array across steps,
-while the engine's batch changes at every step (sequences join, finish, prefill).
+padding (and, for a sliding layer, the keys before each row's window). Measured on
+mlx-cpu 0.32.4 (tests/model/test_mlx_backend.py, tests/model/test_mlx_kinds.py): a
+sequence's logits in such a batch equal its logits alone, bit for bit. Rejected:
+mlx-lm's `BatchKVCache`, which keeps a batch's KV in one left-padded array across
+steps, while the engine's batch changes at every step (sequences join, finish,
+prefill).
 """
 
 from __future__ import annotations
@@ -28,33 +32,18 @@ import torch
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 from pagedkv.errors import ModelNotSupportedError
+from pagedkv.model.mlx import layers
 from pagedkv.model.mlx.convert import to_mx, to_torch
-
-
-class StoredKVCache(KVCache):
-    """mlx-lm's `KVCache` holding KV as `storage` and giving it back as `compute`."""
-
-    def __init__(self, storage: mx.Dtype) -> None:
-        super().__init__()
-        self.storage = storage
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        compute = keys.dtype
-        k, v = super().update_and_fetch(keys.astype(self.storage), values.astype(self.storage))
-        if self.storage == compute:
-            return k, v
-        return k.astype(compute), v.astype(compute)
-
-    def adopt(self, keys: mx.array, values: mx.array) -> None:
-        """Hold exactly these `[1, kv_heads, tokens, head_dim]` as its first tokens."""
-        self.keys, self.values, self.offset = keys, values, int(keys.shape[2])
+from pagedkv.model.mlx.layers import StoredKVCache, kv_part
+from pagedkv.model.state import StateLayout
 
 
 class MlxSeqKV:
     """A sequence's KV: `caches[i]` is decoder layer i's mlx-lm cache object, and the
-    attention layers' caches (`kv_layers`) are `StoredKVCache`s (`make_caches` makes
-    a fresh set). `capacity` is the room the worker budgets; MLX arrays grow by
-    themselves, so it is only recorded. Restored KV is written into a torch buffer
+    attention layers' caches (`kv_layers`) are `StoredKVCache`s, inside a `CacheList`
+    too (`make_caches` makes a fresh set); `state_layout`: the recurrent arrays a
+    snapshot holds (None: none). `capacity` is the room the worker budgets; MLX arrays
+    grow by themselves, so it is only recorded. Restored KV is written into a torch buffer
     (`restore_target`) and copied into MLX arrays once, in `set_restored`, which
     starts the sequence afresh: the worker reuses a finished sequence's KV (a spare)
     whatever it still holds."""
@@ -67,8 +56,10 @@ class MlxSeqKV:
         num_kv_heads: int,
         head_dim: int,
         capacity: int,
+        state_layout: StateLayout | None = None,
     ) -> None:
         self.make_caches = make_caches
+        self.state_layout = state_layout
         self.caches = make_caches()
         self.kv_layers = kv_layers
         self.storage = storage
@@ -99,10 +90,13 @@ class MlxSeqKV:
         return self._target
 
     def set_restored(self, num_tokens: int, state: torch.Tensor | None) -> None:
-        if state is not None:
+        layout = self.state_layout
+        if state is not None and layout is None:
             raise ModelNotSupportedError(
-                "the MLX backend restores no recurrent state (state_layout is None)"
+                "a recurrent state was restored into an MLX model that keeps none"
             )
+        if num_tokens and layout is not None and state is None:
+            raise ValueError(f"a restore of {num_tokens} tokens without the recurrent state")
         target = self.restore_target()
         self.caches = self.make_caches()
         self._length = num_tokens
@@ -111,17 +105,21 @@ class MlxSeqKV:
             return
         for row, layer in enumerate(self.kv_layers):
             kv = to_mx(target[row, :, :, :num_tokens])  # [2, H, n, D]
-            self.caches[layer].adopt(kv[0][None], kv[1][None])
-        mx.eval([(self.caches[i].keys, self.caches[i].values) for i in self.kv_layers])
+            kv_part(self.caches[layer]).adopt(kv[0][None], kv[1][None])
+        if layout is not None and state is not None:
+            layers.load(self.caches, layout, state)
+        mx.eval([(kv_part(self.caches[i]).keys, kv_part(self.caches[i]).values)
+                 for i in self.kv_layers])  # fmt: skip
         self._target = None  # the MLX arrays hold it now
 
     def kv_of(self, start: int, end: int) -> torch.Tensor:
         if not 0 <= start <= end <= self.num_tokens:
             raise ValueError(f"kv_of({start}, {end}) of a sequence holding {self.num_tokens}")
-        rows = [
-            mx.stack([self.caches[i].keys[0, :, start:end], self.caches[i].values[0, :, start:end]])
-            for i in self.kv_layers
-        ]
+        rows = []
+        for i in self.kv_layers:
+            part = kv_part(self.caches[i])
+            assert part.keys is not None and part.values is not None
+            rows.append(mx.stack([part.keys[0, :, start:end], part.values[0, :, start:end]]))
         return to_torch(mx.stack(rows))
 
     def rewind(self, num_tokens: int) -> None:
@@ -149,7 +147,7 @@ class MlxSeqKV:
     def copy(self, num_tokens: int, capacity: int) -> MlxSeqKV:
         fork = MlxSeqKV(
             self.make_caches, self.kv_layers, self.storage, self.num_kv_heads, self.head_dim,
-            capacity,
+            capacity, self.state_layout,
         )  # fmt: skip
         if not num_tokens:
             return fork
@@ -174,9 +172,10 @@ class MlxSeqKV:
         return fork
 
     def snapshot(self) -> torch.Tensor:
-        raise ModelNotSupportedError(
-            "the MLX backend takes no recurrent-state snapshots (state_layout is None)"
-        )
+        """Every recurrent array after the computed tokens, one float32 tensor (`layers`)."""
+        if self.state_layout is None:
+            raise ModelNotSupportedError("this MLX model keeps no recurrent state to snapshot")
+        return layers.snapshot(self.caches, self.state_layout)
 
 
 def _clone(cache: Any) -> Any:
@@ -224,7 +223,12 @@ class DecodeLayer:
         return mx.concatenate(padded_keys), mx.concatenate(padded_values)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: Any = None) -> mx.array:
-        if n != 1 or window_size is not None:
-            raise ValueError("DecodeLayer attends one decode row per sequence, no window")
-        seen = mx.arange(self.longest)[None, :] < mx.array(self.lengths)[:, None]
+        """Each row's own keys; with `window_size` (a sliding layer), its last ones only,
+        as a growing cache's causal window mask for one row is."""
+        if n != 1:
+            raise ValueError(f"DecodeLayer attends one decode row per sequence, not {n}")
+        keys, lengths = mx.arange(self.longest)[None, :], mx.array(self.lengths)[:, None]
+        seen = keys < lengths
+        if window_size is not None:
+            seen = seen & (keys >= lengths - int(window_size))
         return seen[:, None, None, :]
