@@ -152,6 +152,9 @@ class FakeBackend:
         kv = self.new_kv(4)
         self.forward_step([SeqChunk(kv, 0, [1, 2], True)])
 
+    def close(self) -> None:
+        pass
+
     def stable_rows(self) -> Callable[[int], int] | None:
         return None  # a row is computed alone: every count rounds alike
 

@@ -813,6 +813,9 @@ class Engine:
             dead = EngineClosedError(self._closed_reason())
             self._worker.fail_all(dead)
             self._drain(dead)
+        finally:  # on this thread, which computed with them (`Backend.close`)
+            self._worker.spares.drop_all()
+            self.adapter.close()
 
     def _serve(self) -> None:
         worker = self._worker

@@ -143,6 +143,11 @@ class Backend(Protocol):
 
     def warmup(self) -> None: ...
 
+    def close(self) -> None:
+        """Free what the backend holds, on the thread that computed with it, after the
+        last step: nothing is called after it."""
+        ...
+
     def stable_rows(self) -> Callable[[int], int] | None:
         """The row counts a prompt step is padded to (`model.batch.DeterministicRows`),
         or None where the backend's products round alike at every row count."""

@@ -526,6 +526,9 @@ class ModelAdapter(TextMethods):
         _, cache = self.forward(ids, None)
         self.forward(ids[:1], cache)
 
+    def close(self) -> None:
+        """Nothing to free: torch's tensors may die on any thread."""
+
     def __repr__(self) -> str:
         return (
             f"ModelAdapter({self.name!r}, device={self.device}, dtype={self.dtype}, "
