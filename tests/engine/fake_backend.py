@@ -68,7 +68,7 @@ class FakeTokenizer:
 class FakeBackend:
     """The `model.backend.Backend` protocol over `FakeSeqKV`s; counts its forwards."""
 
-    def __init__(self, batched: bool = True) -> None:
+    def __init__(self, batched: bool = True, reuses_kv: bool | None = None) -> None:
         gen = torch.Generator().manual_seed(11)
         self.embed = torch.randn((VOCAB, WIDTH), generator=gen)
         self.out = torch.randn((WIDTH, VOCAB), generator=gen)
@@ -91,6 +91,8 @@ class FakeBackend:
         self.unsupported_reason: str | None = None
         self.batched = batched
         self.unbatched_reason = None if batched else "the fake runs one sequence at a time"
+        # Spares (`engine.spares`): kept where batched unless a test says otherwise.
+        self.reuses_kv = batched if reuses_kv is None else reuses_kv
         self.vision = None
         self.lora_layers = None
         self.device = torch.device("cpu")

@@ -7,8 +7,10 @@ import random
 from pathlib import Path
 
 import pytest
+from fake_backend import FakeBackend, FakeSeqKV
 
 from pagedkv import CacheConfig, Engine, SamplingParams
+from pagedkv.engine.scheduler import GROW_TOKENS
 
 BS = 8
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -84,3 +86,44 @@ def test_a_forked_sample_takes_a_spare(tiny_llama_dir: Path) -> None:
         got = [r.token_ids for r in eng.generate_n(asked, params)]
         assert got == want
         assert {s.restore_target().data_ptr() for s in worker.spares} == buffers
+
+
+@pytest.mark.parametrize("reuses_kv", [True, False])
+def test_spares_only_where_the_backend_reuses_kv(
+    reuses_kv: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two requests that each grow past their first reservation and fork a second
+    sample. Where the backend's KV is not worth reusing (`reuses_kv` False, as on MLX)
+    no spare is ever kept and every growth and fork is the backend's own `grown` and
+    `copy`; where it is, the second request starts, forks and grows in the first one's
+    spares instead (the control: the same counts can tell the two apart)."""
+    calls = {"grown": 0, "copy": 0}
+    copy = FakeSeqKV.copy
+
+    def count_grown(kv: FakeSeqKV, capacity: int, num_tokens: int) -> FakeSeqKV:
+        calls["grown"] += 1
+        return copy(kv, num_tokens, capacity)  # the fake's `grown`, not counted as a fork
+
+    def count_copy(kv: FakeSeqKV, num_tokens: int, capacity: int) -> FakeSeqKV:
+        calls["copy"] += 1
+        return copy(kv, num_tokens, capacity)
+
+    monkeypatch.setattr(FakeSeqKV, "grown", count_grown)
+    monkeypatch.setattr(FakeSeqKV, "copy", count_copy)
+    backend = FakeBackend(reuses_kv=reuses_kv)
+    params = SamplingParams(max_tokens=GROW_TOKENS + 4, n=2, temperature=1.0, seed=5)
+    config = CacheConfig(block_size=BS, ram_cache_bytes=2**20)
+    with Engine(backend, config) as eng:  # type: ignore[arg-type]
+        worker = eng._worker
+        rounds = []
+        for seed in (8, 9):
+            calls.update(grown=0, copy=0)
+            eng.generate_n([3 + i % 40 for i in _prompt(seed, 20)], params)
+            rounds.append((dict(calls), len(worker.spares), worker.scheduler.spare_tokens))
+    (first, kept, _), (second, _, _) = rounds
+    assert first == {"grown": 2, "copy": 1}, first  # no spare yet either way
+    if reuses_kv:
+        assert kept == 2 and second == {"grown": 0, "copy": 0}, rounds
+    else:
+        assert all(spares == tokens == 0 for _, spares, tokens in rounds), rounds
+        assert second == first, rounds

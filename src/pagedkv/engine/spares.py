@@ -6,8 +6,11 @@ memory: most of a RAM hit's restore. So a finished sequence's KV is kept (a
 few, and only inside the KV budget: `Scheduler.keep_spare` counts each one) and
 the next sequence that needs about its capacity writes into it, whatever it
 still holds. Spares are given up (`drop_all`) before a sequence waits for
-memory or is preempted. Only a batched backend's KV is kept: the contract
-(`model.backend`) lets it be restored into again; a transformers cache is not.
+memory or is preempted. Only a backend whose `reuses_kv` says its KV is such a
+buffer has spares (torch's ragged batch). Elsewhere nothing is kept, taken or
+moved, and growth and forks are the backend's `grown` and `copy`: on MLX a spare
+would be refilled MLX -> torch -> MLX (`kv_of`, `restore_target`) where `grown`
+and `copy` stay in MLX, and a transformers cache grows by itself.
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ class SpareKV:
 
     def take(self, seq: Sequence) -> SeqKV | None:
         """A spare for `seq.capacity` tokens (reserved): one of that size up to twice it,
-        whose extra capacity `seq` then reserves; None if no spare fits."""
+        whose extra capacity `seq` then reserves; None if no spare fits (never one
+        where the backend's KV is not reused: none is kept)."""
+        if not self._backend.reuses_kv:
+            return None
         for i, spare in enumerate(self._kvs):
             if seq.capacity <= spare.capacity <= 2 * seq.capacity:
                 del self._kvs[i]
@@ -63,8 +69,9 @@ class SpareKV:
         return spare
 
     def keep(self, kv: SeqKV) -> None:
-        """Keep KV no sequence uses any more, if the budget has room for it."""
-        if not self._backend.batched:
+        """Keep KV no sequence uses any more, if the backend's KV is worth reusing
+        (`reuses_kv`) and the budget has room for it."""
+        if not self._backend.reuses_kv:
             return
         if len(self._kvs) >= MAX_SPARES:
             self._scheduler.drop_spare(self._kvs.pop(0).capacity)

@@ -15,10 +15,14 @@ The contract:
   cached prefix is restored and when a sequence's KV is cached.
 - A sequence's KV is a `SeqKV` the backend made (`new_kv`); the worker never
   looks inside it. It holds room for `capacity` tokens; the worker decides
-  when it grows (`grown`) and how many of its tokens are computed. Where
-  `batched`, the worker keeps a finished sequence's `SeqKV` (a spare) and gives
-  it to the next sequence of about its size: whatever it still holds, that one
-  restores into `restore_target` and computes on from `set_restored`'s count.
+  when it grows (`grown`) and how many of its tokens are computed. Any `SeqKV`
+  can be restored into again: whatever it still holds, `restore_target` then
+  `set_restored` start it afresh. Where `reuses_kv` (a preallocated buffer whose
+  pages cost their first touch: torch's ragged batch), the worker keeps a
+  finished sequence's `SeqKV` (a spare, `engine.spares`) and gives it to the
+  next sequence of about its size, and moves a growing or forked sequence into
+  one; elsewhere (MLX arrays, a transformers cache) it frees it, and growth and
+  forks are the backend's own `grown` and `copy`.
 - A sequence's life at the seam: `new_kv` (or a spare); with caching on,
   `restore_target` once, then `set_restored` (0 tokens on a miss); then
   `forward_step`s; `kv_of` to cache what it computed; `grown` before it
@@ -115,6 +119,10 @@ class Backend(Protocol):
     prefix_caching_supported: bool
     unsupported_reason: str | None  # why prefix caching is off, if it is
     batched: bool
+    # A freed `SeqKV` is worth keeping for the next sequence (a spare): its memory is a
+    # preallocated buffer whose pages cost their first touch, and a restore writes into it
+    # in place. False where a new one costs no more than a copy into an old one (MLX).
+    reuses_kv: bool
     unbatched_reason: str | None  # why `forward_step` takes one chunk at a time, if it does
     deterministic_reason: str | None  # why the deterministic option is refused, if it is
     # The features this backend refuses whatever the model, by name, with why; GET

@@ -197,6 +197,10 @@ class ModelAdapter(TextMethods):
         self.deterministic_reason: str | None = None  # one-sequence mode is deterministic too
         self.refused_features: dict[str, str] = {}
         self.batched: bool = self.unbatched_reason is None
+        # The ragged batch's `BufferKV` is preallocated (on the CPU an anonymous mapping whose
+        # pages cost their first touch, `engine.spares`); a transformers cache (`CacheKV`) grows
+        # by itself and is not worth keeping.
+        self.reuses_kv: bool = self.batched
         # The linear layers' kernel, in the identity: KV computed another way rounds otherwise.
         self.linear_kernel = "torch"
         if int8_weights:

@@ -122,6 +122,9 @@ class MlxBackend(TextMethods):
         self.prefix_caching_supported = self.unsupported_reason is None
         self.unbatched_reason: str | None = self.kinds.unbatched
         self.batched = self.unbatched_reason is None
+        # MLX arrays are no preallocated buffer: a kept one would be refilled through a
+        # torch copy (`restore_target`, `set_restored`) where `grown` and `copy` stay in MLX.
+        self.reuses_kv = False
         self.state_layout: StateLayout | None = found.state_layout
         self.vocab_size = found.vocab_size
         self.num_kv_heads, self.head_dim, compute = 0, 0, mx.float32

@@ -45,8 +45,8 @@ class MlxSeqKV:
     snapshot holds (None: none). `capacity` is the room the worker budgets; MLX arrays
     grow by themselves, so it is only recorded. Restored KV is written into a torch buffer
     (`restore_target`) and copied into MLX arrays once, in `set_restored`, which
-    starts the sequence afresh: the worker reuses a finished sequence's KV (a spare)
-    whatever it still holds."""
+    starts the sequence afresh whatever it still holds, as the seam's contract asks
+    (the worker keeps no spare MLX KV: `MlxBackend.reuses_kv` is False)."""
 
     def __init__(
         self,
@@ -123,8 +123,8 @@ class MlxSeqKV:
         return to_torch(mx.stack(rows))
 
     def rewind(self, num_tokens: int) -> None:
-        """Keep the first `num_tokens` only: a chunk starts there. A spare reused with
-        caching off (no `set_restored`) starts at 0 whatever it held."""
+        """Keep the first `num_tokens` only: a chunk starts there (0: afresh, whatever
+        it held)."""
         held = self.num_tokens
         if num_tokens > held:
             raise ValueError(f"a chunk at {num_tokens} of a sequence holding {held} tokens")
