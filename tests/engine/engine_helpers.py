@@ -79,3 +79,17 @@ def run_worker(
         check=True,
     )
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def mlx_engine(model: Path, scheduling: Any = None, **cache: Any) -> Engine:
+    """An engine on the MLX backend (`scheduling`: an `engine.SchedulerConfig`)."""
+    config = CacheConfig(block_size=BS, ram_cache_bytes=64 * 2**20, backend="mlx", **cache)
+    return Engine.from_pretrained(str(model), config=config, scheduling=scheduling)
+
+
+def mlx_fresh(model: Path, prompts: list[list[int]], **cache: Any) -> list[list[int]]:
+    """Greedy tokens on MLX with prefix caching off: what every cached run must equal
+    (the promise is within one backend)."""
+    with mlx_engine(model, enable_prefix_caching=False, **cache) as off:
+        assert off.adapter.backend_name == "mlx"
+        return [off.generate(p, GREEDY).token_ids for p in prompts]
