@@ -173,3 +173,18 @@ def test_bench_through_the_anthropic_route_reuses_as_much_as_the_openai_one(
             assert r["miss_reasons"].get("evicted", 0) == 0  # 64 MiB: nothing leaves
     # Same conversations, greedy: the same prompts, the same reuse, the same causes.
     assert figures["anthropic"] == figures["openai"]
+
+
+def test_bench_on_the_mlx_backend_reuses_what_an_ideal_cache_would(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """`pagedkv bench --backend mlx`: the chat and agent workloads reuse >= 0.98 of ideal."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm is not installed: pip install 'pagedkv[mlx]'")
+    out, ssd = tmp_path / "out", tmp_path / "ssd"
+    args = _args(tiny_llama_dir, out, ssd, "chat", "agent")
+    args.backend = "mlx"  # type: ignore[attr-defined]
+    assert main(args) == 0  # type: ignore[arg-type]
+    results = json.loads((out / "results.json").read_text())
+    assert [r["workload"] for r in results] == ["chat", "agent"]
+    for r in results:
+        assert r["reuse_ratio"] >= 0.98, r["workload"]
