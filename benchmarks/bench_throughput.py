@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_throughput.py [--streams 1,4,8,16] [--tokens 64]
         [--prompt-words 40] [--rounds 3] [--deterministic] [--src DIR]
+        [--mode NAME=FLAGS ...] [--prefill-words 3000]
 
 Starts `pagedkv serve` (bundled model, RAM tier only) on 127.0.0.1 and, for each
 stream count N, has N clients stream a completion of `--tokens` tokens each, at
@@ -15,6 +16,18 @@ cache hits. Per N, median of `--rounds` rounds:
 
 Then the cost of a newcomer: the TTFT of a new uncached 300-token request sent
 while 7 streams decode, against the same request on the idle server.
+
+Each server's start-up is timed too: from its launch to its first answer (the
+`/health` check passing, then the first token of a one-token request).
+
+`--prefill-words N` also times a cold prefill: three prompts of N words (3000
+words: ~4K tokens) no request shares, `max_tokens` 1, prompt tokens/s from
+each answer's usage over its TTFT, the median of the three.
+
+`--mode NAME=FLAGS` (repeatable) serves pagedkv once per mode, one after the
+other, with FLAGS added to `pagedkv serve`'s, e.g.
+`--mode float32= --mode "bfloat16-compiled=--dtype bfloat16 --compile-decode"`
+(default: one mode, `pagedkv`, with no extra flags).
 
 `--deterministic` serves with `--deterministic`. `--src DIR` serves another
 checkout's `src/` instead (a worktree of an older commit, say): run the two
@@ -54,6 +67,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+# A server's start-up may include compiling its decode step (`--compile-decode`).
+START_TIMEOUT_S = 900
 
 WORDS = (
     "harbor",
@@ -97,6 +113,8 @@ class Server:
     url: str
     body: dict[str, object]  # what every request adds: `ignore_eos` for pagedkv, a peer's model
     seeds: list[int] = field(default_factory=list)
+    started: float = 0.0  # time.perf_counter() at launch
+    ready_s: float = 0.0  # launch to `/health` passing
 
 
 def start_pagedkv(name: str, src: str | None, extra: list[str]) -> Server:
@@ -118,9 +136,10 @@ def start_peer(name: str, command: str, model: str | None) -> Server:
 def wait_for(
     name: str, cmd: list[str], env: dict[str, str], port: int, body: dict[str, object]
 ) -> Server:
+    started = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -129,8 +148,8 @@ def wait_for(
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"server {name} did not start")
-        time.sleep(0.5)
-    return Server(name, proc, url, body)
+        time.sleep(0.1)
+    return Server(name, proc, url, body, started=started, ready_s=time.perf_counter() - started)
 
 
 @dataclass
@@ -166,6 +185,26 @@ def stream_one(
                 if not out.stamps:
                     out.ttft = now - t0
                 out.stamps.append(now)
+
+
+def first_answer_s(server: Server) -> float:
+    """Launch to the first token of the first request."""
+    stream_one(server, prompt_text(_next_seed(server), 8), 1, Stream(), threading.Barrier(1))
+    return time.perf_counter() - server.started
+
+
+def prefill_rate(server: Server, words: int, runs: int = 3) -> float:
+    """Cold prompt tokens/s: prompts of `words` words no request shares, one token each,
+    prompt tokens (from the usage) over TTFT; the median of `runs`."""
+    rates = []
+    for _ in range(runs):
+        text = prompt_text(_next_seed(server), words)
+        body = {"prompt": text, "max_tokens": 1, "temperature": 0, **server.body}
+        t0 = time.perf_counter()
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        rates.append(int(r.json()["usage"]["prompt_tokens"]) / (time.perf_counter() - t0))
+    return statistics.median(rates)
 
 
 def round_of(server: Server, n: int, tokens: int, words: int) -> tuple[float, list[Stream]]:
@@ -224,11 +263,20 @@ def pct(values: list[float], q: float) -> float:
 Rows = dict[int, dict[str, float]]
 
 
-def measure(
-    server: Server, args: argparse.Namespace, counts: list[int]
-) -> tuple[Rows, tuple[float, float]]:
-    """Per stream count: tokens/s (median over rounds), TTFT, ITL; then the newcomer's TTFT."""
+@dataclass
+class Result:
+    rows: Rows
+    newcomer: tuple[float, float]  # TTFT idle, while 7 streams decode
+    ready_s: float  # launch to /health
+    first_answer_s: float  # launch to the first token
+    prefill_tok_s: float | None  # cold prefill (`--prefill-words`)
+
+
+def measure(server: Server, args: argparse.Namespace, counts: list[int]) -> Result:
+    """Start-up; per stream count: tokens/s (median over rounds), TTFT, ITL; then the
+    newcomer's TTFT and the cold prefill."""
     try:
+        first = first_answer_s(server)
         round_of(server, 2, 4, args.prompt_words)  # warm up: first forwards of each shape
         rows: Rows = {}
         for n in counts:
@@ -249,13 +297,17 @@ def measure(
             }
         idle = [newcomer_ttft(server, 0) for _ in range(args.newcomer_runs)]
         loaded = [newcomer_ttft(server, 7) for _ in range(args.newcomer_runs)]
-        return rows, (statistics.median(idle), statistics.median(loaded))
+        prefill = prefill_rate(server, args.prefill_words) if args.prefill_words else None
+        newcomer = (statistics.median(idle), statistics.median(loaded))
+        return Result(rows, newcomer, server.ready_s, first, prefill)
     finally:
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(60)
 
 
-def report(name: str, rows: Rows, newcomer: tuple[float, float], counts: list[int]) -> None:
+def report(name: str, result: Result, counts: list[int]) -> None:
+    """One server's figures, printed as soon as they are measured."""
+    rows, newcomer = result.rows, result.newcomer
     one = rows[counts[0]]
     print(f"\n{name}")
     print(f"{'streams':>7} {'tok/s':>7} {'x 1st':>6} {'TTFT p50':>9} {'TTFT p90':>9} "
@@ -273,6 +325,13 @@ def report(name: str, rows: Rows, newcomer: tuple[float, float], counts: list[in
         f"new 300-token request: TTFT {idle * 1000:.0f} ms idle, {loaded * 1000:.0f} ms "
         f"while 7 streams decode ({loaded / idle:.2f}x)"
     )
+    print(
+        f"start-up: /health after {result.ready_s:.1f} s, first answer after "
+        f"{result.first_answer_s:.1f} s"
+    )
+    if result.prefill_tok_s is not None:
+        print(f"cold prefill: {result.prefill_tok_s:.0f} prompt tokens/s")
+    sys.stdout.flush()
 
 
 def main() -> int:
@@ -287,30 +346,50 @@ def main() -> int:
     ap.add_argument("--peer-cmd", default=None, help="start a peer server on {port}")
     ap.add_argument("--peer-model", default=None, help="the model field of the peer's requests")
     ap.add_argument("--peer-name", default="peer")
+    ap.add_argument(
+        "--mode", action="append", default=None, help="NAME=FLAGS: serve pagedkv with FLAGS"
+    )
+    ap.add_argument("--prefill-words", type=int, default=0, help="also time a cold prefill")
     args = ap.parse_args()
     if args.newcomer_runs < 1:
         ap.error("--newcomer-runs must be at least 1")
     counts = [int(c) for c in args.streams.split(",")]
     extra = ["--deterministic"] if args.deterministic else []
     src = str(Path(args.src).resolve()) if args.src else None
-    name = args.src or "pagedkv"
-    results = {name: measure(start_pagedkv(name, src, extra), args, counts)}
-    if args.peer_cmd:
-        peer = start_peer(args.peer_name, args.peer_cmd, args.peer_model)
-        results[args.peer_name] = measure(peer, args, counts)
+    modes = dict(m.split("=", 1) for m in args.mode or [f"{args.src or 'pagedkv'}="])
     mode = " (--deterministic)" if args.deterministic else ""
     print(
         f"bundled model, {args.prompt_words}-word prompts, {args.tokens} tokens per stream, "
-        f"median of {args.rounds} rounds{mode}; tokens: the mean a stream generated"
+        f"median of {args.rounds} rounds{mode}; tokens: the mean a stream generated",
+        flush=True,
     )
-    for server_name, (rows, newcomer) in results.items():
-        report(server_name, rows, newcomer, counts)
+    results: dict[str, Result] = {}  # each reported as soon as it is measured
+    for name, flags in modes.items():
+        server = start_pagedkv(name, src, extra + shlex.split(flags))
+        results[name] = measure(server, args, counts)
+        report(name, results[name], counts)
     if args.peer_cmd:
-        ours = results[name][0]
-        theirs = results[args.peer_name][0]
-        ratios = "  ".join(f"{n}: {ours[n]['tok_s'] / theirs[n]['tok_s']:.2f}x" for n in counts)
-        print(f"\n{name} tokens/s against {args.peer_name}, per stream count: {ratios}")
+        peer = start_peer(args.peer_name, args.peer_cmd, args.peer_model)
+        results[args.peer_name] = measure(peer, args, counts)
+        report(args.peer_name, results[args.peer_name], counts)
+    print()
+    first = next(iter(modes))
+    others = [n for n in results if n != first]
+    for other in others:  # every mode and the peer against the first mode, then the peer
+        ratios(results[other], results[first], f"{other} against {first}", counts)
+    if args.peer_cmd:
+        for name in modes:
+            label = f"{name} against {args.peer_name}"
+            ratios(results[name], results[args.peer_name], label, counts)
     return 0
+
+
+def ratios(ours: Result, theirs: Result, label: str, counts: list[int]) -> None:
+    """Tokens/s per stream count and cold prefill of `ours` over `theirs`."""
+    parts = [f"{n}: {ours.rows[n]['tok_s'] / theirs.rows[n]['tok_s']:.2f}x" for n in counts]
+    if ours.prefill_tok_s and theirs.prefill_tok_s:
+        parts.append(f"prefill: {ours.prefill_tok_s / theirs.prefill_tok_s:.2f}x")
+    print(f"{label}, tokens/s per stream count: {'  '.join(parts)}")
 
 
 if __name__ == "__main__":

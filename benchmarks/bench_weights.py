@@ -1,7 +1,11 @@
 """Single-stream decode speed of compact weights on this CPU, against float32.
 
     .venv/bin/python benchmarks/bench_weights.py [--model smollm2-135m] [--steps 32]
+    .venv/bin/python benchmarks/bench_weights.py \
+        --dtypes float32,float32+compiled,bfloat16,bfloat16+compiled
 
+A `+compiled` dtype is that dtype with the decode step compiled
+(`ModelAdapter.compile_decode`, `--compile-decode`); its compile time is printed.
 Each `--dtype` the engine offers, loaded by `load_model` as the server does
 (float32: linear layers packed for oneDNN; int8: int8 weights, `model/linear.py`;
 bfloat16: transformers' own layers), decoding greedily through the ragged batch
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 from bench_kv_quality import decode_rate
@@ -33,7 +38,12 @@ def main() -> int:
     dtypes = args.dtypes.split(",")
     if dtypes[0] != "float32":
         dtypes.insert(0, "float32")
-    adapters = {d: load_model(args.model, dtype=d) for d in dtypes}
+    adapters = {d: load_model(args.model, dtype=d.removesuffix("+compiled")) for d in dtypes}
+    for d, adapter in adapters.items():
+        if d.endswith("+compiled"):
+            started = time.perf_counter()
+            adapter.compile_decode()
+            print(f"{d}: {adapter.decode_path}; {time.perf_counter() - started:.1f} s")
     cpu = torch.backends.cpu.get_cpu_capability()
     print(f"torch {torch.__version__}, cpu capability {cpu}, {torch.get_num_threads()} threads; "
           f"best of {args.repeats}, {args.steps} steps")  # fmt: skip

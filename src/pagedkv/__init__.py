@@ -20,10 +20,15 @@ from typing import TYPE_CHECKING, Any
 # kernel's name in the namespace (`model/linear.py`). Rejected: fixed-size row
 # tiles through AMX (every product padded to one row count).
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-
 from pagedkv.cache.hashing import BlockHasher, ExtraKeys
 from pagedkv.cache.pool import Block, BlockPool, BlockTable, PoolStats, PrefixMatch
-from pagedkv.config import CacheConfig, parse_size
+from pagedkv.config import CacheConfig, cache_home, parse_size
+
+# Where inductor keeps what it compiled (`model.compiled`), so a restart loads the
+# compiled decode step instead of compiling it again: under pagedkv's user cache. torch
+# reads it once, at its first compile-related import (transformers' import may make it),
+# so it is set here, before anything of pagedkv imports torch.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
 from pagedkv.errors import (
     CacheCorruptionError,
     EngineOverloadedError,

@@ -53,6 +53,14 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "is installed, else torch (see docs/usage.md)",
     )
     g.add_argument(
+        "--compile-decode",
+        action="store_true",
+        default=env_bool("--compile-decode"),
+        help="compile the decode step with torch.compile (torch backend; llama, mistral, "
+        "qwen2, qwen3): faster decoding, a compile at start-up that later starts load "
+        "from disk (see docs/usage.md; default: off)",
+    )
+    g.add_argument(
         "--device",
         default=env("--device", "auto"),
         choices=["auto", "cpu", "cuda"],
@@ -266,6 +274,7 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
         snapshot_interval_blocks=getattr(args, "snapshot_interval_blocks", 1),
         kv_dtype=getattr(args, "kv_dtype", "auto"),
         backend=getattr(args, "backend", "auto"),
+        compile_decode=getattr(args, "compile_decode", False),
         reasoning_cache=getattr(args, "reasoning_cache", "auto"),
         max_leased_fraction=getattr(args, "max_leased_fraction", 0.5),
         vision_cache_bytes=parse_size(getattr(args, "vision_cache_bytes", "256MiB")),

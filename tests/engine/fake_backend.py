@@ -75,6 +75,7 @@ class FakeBackend:
         self.name = "fake"
         self.backend_name = "fake"
         self.refused_features: dict[str, str] = {}
+        self.decode_path = "eager"
         self.tokenizer = FakeTokenizer()
         self.max_token_chars: int | None = None
         self.max_context = 2048
@@ -153,6 +154,9 @@ class FakeBackend:
     def warmup(self) -> None:
         kv = self.new_kv(4)
         self.forward_step([SeqChunk(kv, 0, [1, 2], True)])
+
+    def compile_decode(self) -> None:
+        raise NotImplementedError("the fake backend has no compiled step")
 
     def close(self) -> None:
         pass

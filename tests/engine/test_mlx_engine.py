@@ -265,6 +265,8 @@ def test_refused_options_say_why(name: str, build: Callable[[str], Model]) -> No
         mlx_engine(path, SchedulerConfig(deterministic=True), enable_prefix_caching=False)
     with pytest.raises(ModelNotSupportedError, match="int8"):
         mlx_engine(path, kv_dtype="int8")
+    with pytest.raises(ModelNotSupportedError, match="compile_decode"):
+        mlx_engine(path, compile_decode=True)
     with mlx_engine(path) as eng:
         with pytest.raises(Exception, match="--backend torch"):
             eng.load_adapter("sql", str(path))
@@ -272,5 +274,8 @@ def test_refused_options_say_why(name: str, build: Callable[[str], Model]) -> No
         runtime = stats_json(eng.cache_stats())["runtime"]
         assert runtime["backend"] == "mlx-lm"
         refused = runtime["refused"]
-        assert set(refused) == {"deterministic", "kv_dtype int8", "lora", "images"}
+        assert set(refused) == {
+            "deterministic", "kv_dtype int8", "lora", "images", "compile_decode"
+        }  # fmt: skip
+        assert runtime["decode"] == "eager (mlx-lm's model)"
         assert "--backend torch" in refused["lora"] and "bfloat16" in refused["kv_dtype int8"]

@@ -144,6 +144,13 @@ class Engine:
         log.info("sampling defaults of %s: %s", adapter.name, self.sampling_defaults.describe())
         # Before any buffer exists, with caching on or off: the same rounding either way.
         adapter.set_kv_dtype(self.config.kv_dtype)
+        if self.config.compile_decode:
+            if self.scheduling.deterministic:
+                raise ModelNotSupportedError(
+                    "compile_decode and deterministic do not go together: deterministic "
+                    "steps pad their rows to counts that round alike, which the eager step does"
+                )
+            adapter.compile_decode()  # before the namespace: the step is in its mode
         if adapter.vision is not None:
             adapter.vision.cache.resize(self.config.vision_cache_bytes)
         self.prefix = self._build_prefix_cache()
@@ -566,6 +573,7 @@ class Engine:
                 dtype=str(self.adapter.dtype).removeprefix("torch."),
                 kv_dtype=self.config.kv_dtype,
                 refused=dict(self.adapter.refused_features),
+                decode=self.adapter.decode_path,
             ),
             request_misses=worker.miss_reasons.copy(),
             vision=self.adapter.vision.cache.stats() if self.adapter.vision else None,

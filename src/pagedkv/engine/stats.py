@@ -57,6 +57,9 @@ class RuntimeInfo:
     # What the backend refuses whatever the model, by name, with why
     # (`Backend.refused_features`).
     refused: dict[str, str] = field(default_factory=dict)
+    # How decode rows are computed (`Backend.decode_path`): "eager", or the compiled
+    # step with its signature, or why it is not compiled.
+    decode: str = "eager"
 
 
 @dataclass(frozen=True, slots=True)

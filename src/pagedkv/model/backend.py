@@ -128,6 +128,9 @@ class Backend(Protocol):
     # The features this backend refuses whatever the model, by name, with why; GET
     # /v1/cache/stats lists them (`runtime.refused`). Empty: it has every feature.
     refused_features: dict[str, str]
+    # How decode rows are computed, for `/v1/cache/stats` (`runtime.decode`): "eager", a
+    # compiled step (`compile_decode`) with its signature, or why it is not compiled.
+    decode_path: str
     vision: Any  # a VLM's image side (`model.vision.VisionModel`), or None
     lora_layers: Any  # `model.lora_layers.LoraLayers`, or None where adapters are refused
 
@@ -150,6 +153,12 @@ class Backend(Protocol):
     ) -> torch.Tensor: ...
 
     def warmup(self) -> None: ...
+
+    def compile_decode(self) -> None:
+        """Compile the decode step before the first request (`CacheConfig.compile_decode`),
+        or stay eager and say why in `decode_path`; raises `ModelNotSupportedError` where
+        the backend has no compiled step at all."""
+        ...
 
     def close(self) -> None:
         """Free what the backend holds, on the thread that computed with it, after the

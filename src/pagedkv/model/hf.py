@@ -33,6 +33,7 @@ from pagedkv.model.batch import (
 )
 from pagedkv.model.bundled import BUNDLED_MODEL_NAME
 from pagedkv.model.choose import mlx_quantization
+from pagedkv.model.compiled import CompiledDecode, compile_reason, is_decode_step
 from pagedkv.model.fingerprint import canonical_config, weights_digest
 from pagedkv.model.generation_defaults import (
     BUNDLED_DEFAULTS,
@@ -129,6 +130,9 @@ class ModelAdapter(TextMethods):
         processor: Any = None,
     ) -> None:
         self.model = model
+        # The compiled decode step (`model.compiled`), once `compile_decode` made it.
+        self.compiled: CompiledDecode | None = None
+        self.decode_path = "eager"
         # A VLM's image side (`model.vision`), given its processor; None: text only.
         self.vision: VisionModel | None = None
         if processor is not None:
@@ -254,10 +258,18 @@ class ModelAdapter(TextMethods):
             "kv_dtype": kv_dtype,
             "linear": self.linear_kernel,
             "attention": self.attention_kernel,
-            "mode": _batch_mode(self.batched, deterministic),
+            "mode": self._mode(deterministic),
             "block_size": str(int(block_size)),
         }
         return {name: fields[name] for name in NAMESPACE_FIELDS}
+
+    def _mode(self, deterministic: bool) -> str:
+        """The namespace's `mode`: how rows are batched, and a compiled decode step's
+        signature when decode rows go through it (they round otherwise)."""
+        mode = _batch_mode(self.batched, deterministic)
+        if self.compiled is not None and self.compiled.active and not deterministic:
+            mode += "+decode=" + self.compiled.signature()
+        return mode
 
     @property
     def attention_kernel(self) -> str:
@@ -417,6 +429,15 @@ class ModelAdapter(TextMethods):
         buffer. Returns the float32 logits `[wanted, vocab]` of the chunks that want
         them, in chunk order. `pad_rows` pads the batch (`DeterministicRows`);
         `group_decode`: attend the decode rows in one call (see `RaggedPlan`)."""
+        compiled = self.compiled
+        if (
+            compiled is not None
+            and compiled.active
+            and pad_rows is None
+            and group_decode
+            and is_decode_step(chunks)
+        ):
+            return compiled(chunks, self.kv_format, self.device)
         # Rows of one adapter side by side, so each adapter's rows are one slice
         # (`model.lora_layers`); the logits go back to the caller's order below.
         order = adapter_order([c.lora for c in chunks])
@@ -483,6 +504,46 @@ class ModelAdapter(TextMethods):
         """The row counts the linear layers round alike at, measured now (batched models
         only: a model run one sequence at a time has no rows to pad)."""
         return DeterministicRows(linear_layers(self.model)) if self.batched else None
+
+    def compile_decode(self) -> None:
+        """Compile the decode step (`model.compiled`) on the thread that computes, before
+        the namespace is read (the step is in its `mode`). Where it cannot be compiled or
+        disagrees with the eager forward, decode stays eager with a warning
+        (`decode_path` says why): never a failed start."""
+        reason = compile_reason(self.model, self.batched, self.kv_windows)
+        if reason is None:
+            compiled = CompiledDecode(self.model)
+            compiled.compile(self.new_kv_buffer, self.kv_format, self.device, self._disagrees)
+            reason = compiled.reason
+            if reason is None:
+                self.compiled = compiled
+                seconds = sum(compiled.compile_seconds.values())
+                self.decode_path = (
+                    f"compiled ({compiled.signature()}; {compiled.compiles} graphs "
+                    f"in {seconds:.1f} s)"
+                )
+                return
+        else:
+            logger.warning("the decode step stays eager: %s", reason)
+        self.decode_path = f"eager (not compiled: {reason})"
+
+    def _disagrees(self, compiled: CompiledDecode) -> str | None:
+        """Why `compiled`'s decode logits differ from the eager forward's on a probe
+        (a 12-token prompt, then one decode row), or None when they agree within the
+        rounding of another kernel order."""
+        ids = [(7 * i + 3) % self.vocab_size for i in range(12)]
+        kv = self.new_kv_buffer(len(ids))
+        self.forward_batch([SeqChunk(kv, 0, ids[:-1], False)])
+        twin = kv.clone()
+        want = self.forward_batch([SeqChunk(kv, len(ids) - 1, ids[-1:], True)])
+        got = compiled([SeqChunk(twin, len(ids) - 1, ids[-1:], True)], self.kv_format, self.device)
+        atol = 1e-3 * max(1.0, float(want.abs().max()))
+        if self.dtype != torch.float32:
+            atol = 16 * torch.finfo(self.dtype).eps * float(want.abs().max())
+        if not torch.allclose(got, want, rtol=0, atol=atol):
+            diff = float((got - want).abs().max())
+            return f"its logits differ from the eager forward's by {diff:.3g} (allowed {atol:.3g})"
+        return None
 
     # ---- compute --------------------------------------------------------
 

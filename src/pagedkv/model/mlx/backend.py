@@ -69,6 +69,10 @@ DETERMINISTIC_REASON = (
 )
 LORA_REASON = "LoRA adapters are not available on the MLX backend; use --backend torch"
 IMAGES_REASON = "images are not available on the MLX backend; use --backend torch"
+COMPILE_REASON = (
+    "the compiled decode step is torch's (torch.compile); the MLX backend runs mlx-lm's "
+    "model as it is; leave compile_decode off"
+)
 KV_INT8_REASON = (
     "8-bit KV is not available on the MLX backend (8-bit KV with per-row scales is torch's "
     "ragged attention only); use kv_dtype auto, bfloat16 or float16"
@@ -91,9 +95,11 @@ class MlxBackend(TextMethods):
         "kv_dtype int8": KV_INT8_REASON,
         "lora": LORA_REASON,
         "images": IMAGES_REASON,
+        "compile_decode": COMPILE_REASON,
     }
     vision = None
     lora_layers = None
+    decode_path = "eager (mlx-lm's model)"
 
     def __init__(
         self, model: Any, tokenizer: Any, config: dict[str, Any], *, name: str,
@@ -272,6 +278,9 @@ class MlxBackend(TextMethods):
         kv = self.new_kv(len(ids) + 1)
         self.forward_step([SeqChunk(kv, 0, ids, True)])
         self.forward_step([SeqChunk(kv, len(ids), ids[:1], True)])
+
+    def compile_decode(self) -> None:
+        raise ModelNotSupportedError(f"compile_decode: {COMPILE_REASON}")
 
     def close(self) -> None:
         """Drop the model's arrays, on the engine's worker thread as it ends. MLX arrays

@@ -1,0 +1,155 @@
+"""The compiled decode step (`model.compiled`, `--compile-decode`) on tiny random models:
+its greedy tokens and logits match the eager step's at one row and at several, the
+rows never compile more than its two graphs, the namespace names it, and where it
+cannot be compiled (a compiler failure, a decoder it does not describe) decoding
+stays eager with the reason said. The engine with it: cached == fresh over a chat,
+and its refusal next to the deterministic option.
+
+A llama (the bundled model's architecture) and a qwen3 with attention biases (q/k
+norms and biases: the other paths `DecodeStep` has)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import BS
+from fixtures_models import make_tiny_model
+
+from pagedkv import CacheConfig, Engine, ModelNotSupportedError, SamplingParams
+from pagedkv.engine import SchedulerConfig
+from pagedkv.model.batch import SeqChunk
+from pagedkv.model.hf import ModelAdapter, load_model
+from pagedkv.server.metrics import stats_json
+
+ARCHS = {"llama": {}, "qwen3": {"attention_bias": True}}
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    arch = request.param
+    path = tmp_path_factory.mktemp(f"compiled-{arch}") / "model"
+    return make_tiny_model(path, arch=arch, seed=1, **ARCHS[arch])
+
+
+@pytest.fixture(scope="module")
+def compiled(model_dir: Path) -> ModelAdapter:
+    adapter = load_model(str(model_dir))
+    adapter.compile_decode()
+    assert adapter.compiled is not None, adapter.decode_path
+    return adapter
+
+
+def _decode(
+    adapter: ModelAdapter, kvs: list[torch.Tensor], starts: list[int], tokens: list[int], steps: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy decode steps over every sequence at once; each row's tokens and logits."""
+    out: list[list[int]] = [[] for _ in kvs]
+    logits_seen = []
+    for step in range(steps):
+        chunks = [
+            SeqChunk(kv, start + step, [t], True)
+            for kv, start, t in zip(kvs, starts, tokens, strict=True)
+        ]
+        logits = adapter.forward_batch(chunks)
+        logits_seen.append(logits)
+        tokens = [int(x) for x in logits.argmax(-1)]
+        for row, t in zip(out, tokens, strict=True):
+            row.append(t)
+    return out, logits_seen
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_compiled_decode_matches_the_eager_step(compiled: ModelAdapter, rows: int) -> None:
+    adapter, step = compiled, compiled.compiled
+    assert step is not None
+    prompts = [[(11 * r + 7 * i + 3) % 400 + 5 for i in range(20 + 9 * r)] for r in range(rows)]
+    kvs, firsts = [], []
+    for p in prompts:
+        kv = adapter.new_kv_buffer(len(p) + 16)
+        logits = adapter.forward_batch([SeqChunk(kv, 0, p, True)])  # a prompt: eager
+        kvs.append(kv)
+        firsts.append(int(logits[0].argmax()))
+    twins = [kv.clone() for kv in kvs]
+    starts = [len(p) for p in prompts]
+    steps_before = step.steps
+    got, got_logits = _decode(adapter, kvs, starts, firsts, 8)
+    assert step.steps == steps_before + 8  # every step went through the compiled graph
+    adapter.compiled = None  # the eager step, on the same weights
+    try:
+        want, want_logits = _decode(adapter, twins, starts, firsts, 8)
+    finally:
+        adapter.compiled = step
+    assert got == want
+    for g, w in zip(got_logits, want_logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-3 * float(w.abs().max()))
+    for kv, twin, start in zip(kvs, twins, starts, strict=True):  # the KV each row wrote
+        torch.testing.assert_close(kv[:, :, :, : start + 8], twin[:, :, :, : start + 8])
+    assert step.compiles == 1, "one graph for every row count"
+
+
+def test_the_namespace_names_the_compiled_step(compiled: ModelAdapter) -> None:
+    assert compiled.decode_path.startswith("compiled (inductor:torch-")
+    mode = compiled.identity(BS)["mode"]
+    assert mode.startswith("grouped+decode=inductor:torch-")
+    assert compiled.identity(BS, deterministic=True)["mode"] == "deterministic"
+
+
+def test_a_compiler_failure_leaves_decoding_eager(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no C++ compiler found")
+
+    adapter = load_model(str(model_dir))
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.model.compiled"):
+        adapter.compile_decode()
+    assert adapter.compiled is None
+    assert "no C++ compiler found" in adapter.decode_path
+    assert adapter.decode_path.startswith("eager (not compiled: compiling failed")
+    assert "stays eager" in caplog.text
+    assert adapter.identity(BS)["mode"] == "grouped"
+    kv = adapter.new_kv_buffer(8)
+    assert adapter.forward_batch([SeqChunk(kv, 0, [5, 6, 7], True)]).shape[0] == 1
+
+
+def test_a_decoder_it_does_not_describe_stays_eager(tmp_path: Path) -> None:
+    gemma = make_tiny_model(tmp_path / "gemma", arch="gemma3_text", seed=1)
+    adapter = load_model(str(gemma))
+    adapter.compile_decode()
+    assert adapter.compiled is None
+    assert "not gemma3_text" in adapter.decode_path
+
+
+def _engine(model: Path, **cache: object) -> Engine:
+    config = CacheConfig(block_size=BS, ram_cache_bytes=64 * 2**20, compile_decode=True, **cache)  # type: ignore[arg-type]
+    return Engine.from_pretrained(str(model), config=config)
+
+
+def test_engine_cached_equals_fresh_with_the_compiled_step(model_dir: Path) -> None:
+    turn1 = [(5 * i + 1) % 400 + 5 for i in range(37)]
+    with _engine(model_dir) as eng:
+        runtime = stats_json(eng.cache_stats())["runtime"]
+        assert runtime["decode"].startswith("compiled (inductor:")
+        first = eng.generate(turn1, GREEDY)
+        again = eng.generate(turn1, GREEDY)
+        turn2 = turn1 + first.token_ids + [(3 * i + 2) % 400 + 5 for i in range(11)]
+        second = eng.generate(turn2, GREEDY)
+    assert again.cached_tokens == len(turn1) - 1
+    assert again.token_ids == first.token_ids
+    assert second.cached_tokens >= len(turn1) // BS * BS
+    with _engine(model_dir, enable_prefix_caching=False) as fresh:
+        assert fresh.generate(turn1, GREEDY).token_ids == first.token_ids
+        assert fresh.generate(turn2, GREEDY).token_ids == second.token_ids
+
+
+def test_engine_refuses_it_with_deterministic(model_dir: Path) -> None:
+    config = CacheConfig(block_size=BS, compile_decode=True, enable_prefix_caching=False)
+    with pytest.raises(ModelNotSupportedError, match="deterministic"):
+        Engine.from_pretrained(
+            str(model_dir), config=config, scheduling=SchedulerConfig(deterministic=True)
+        )
