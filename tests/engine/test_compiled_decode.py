@@ -98,6 +98,33 @@ def test_the_namespace_names_the_compiled_step(compiled: ModelAdapter) -> None:
     assert compiled.identity(BS, deterministic=True)["mode"] == "deterministic"
 
 
+def test_a_failure_while_serving_falls_back_to_the_eager_step(compiled: ModelAdapter) -> None:
+    step = compiled.compiled
+    assert step is not None
+    mode, path, fn = compiled.identity(BS)["mode"], compiled.decode_path, step._fn
+
+    def recompile_fails(*args: object) -> None:
+        raise RuntimeError("an op inductor cannot lower")
+
+    kv = compiled.new_kv_buffer(16)
+    prompt = [5, 6, 7, 8, 9]
+    compiled.forward_batch([SeqChunk(kv, 0, prompt, True)])
+    twin = kv.clone()
+    step._fn = recompile_fails
+    try:
+        got = compiled.forward_batch([SeqChunk(kv, len(prompt), [10], True)])
+        assert not step.active and "an op inductor cannot lower" in compiled.decode_path
+        assert compiled.identity(BS)["mode"] == mode  # the namespace the cache was built on
+    finally:
+        step._fn, step.reason, compiled.decode_path = fn, None, path
+    compiled.compiled = None
+    try:
+        want = compiled.forward_batch([SeqChunk(twin, len(prompt), [10], True)])
+    finally:
+        compiled.compiled = step
+    assert torch.equal(got, want)  # the step was computed eagerly, in full
+
+
 def test_a_compiler_failure_leaves_decoding_eager(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

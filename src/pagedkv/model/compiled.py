@@ -55,6 +55,7 @@ reason logged and kept (`CompiledDecode.reason`): never a failed start.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import typing
 import weakref
@@ -77,9 +78,9 @@ _PLAIN_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 # Bumped when `DecodeStep` computes otherwise (part of the namespace's `mode`).
 _STEP_VERSION = 1
 
-# The plan of the step being computed: the attention op reads it (one worker thread
-# computes, so one plan at a time).
-_running: list[RaggedPlan] = []
+# The plan of the step being computed on this thread: the attention op reads it (each
+# engine's worker thread computes its own steps).
+_running = threading.local()
 
 
 # The linear layers compiled steps call (`pagedkv::linear`), by index, so the graph
@@ -123,7 +124,7 @@ def decode_attention(
     """Rows `q [B, heads, head_dim]`, `k` and `v` `[B, kv_heads, head_dim]`, one per decode
     chunk of the running plan: each row's keys and values go into its sequence's
     buffer, and its attention output comes back `[B, heads * head_dim]`."""
-    plan = _running[-1]
+    plan: RaggedPlan = _running.plan
     n = plan.num_rows
     fmt = plan.kv_format
     if n == 1 and (fmt is None or (not fmt.scaled and fmt.storage_dtype == q.dtype)):
@@ -360,12 +361,12 @@ class CompiledDecode:
         torch._dynamo.decorators.mark_unbacked(ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         graphs = _graphs()
-        _running.append(plan)
+        _running.plan = plan
         try:
             with torch.inference_mode():
                 logits = self._fn(ids, positions)
         finally:
-            _running.pop()
+            _running.plan = None
         if (new := _graphs() - graphs) > 0:
             self.compiles += new
             if len(self.compile_seconds) == len(COMPILED_ROWS):

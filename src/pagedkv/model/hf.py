@@ -267,7 +267,9 @@ class ModelAdapter(TextMethods):
         """The namespace's `mode`: how rows are batched, and a compiled decode step's
         signature when decode rows go through it (they round otherwise)."""
         mode = _batch_mode(self.batched, deterministic)
-        if self.compiled is not None and self.compiled.active and not deterministic:
+        # Compiled at start-up: the namespace stays this one if the step fails later
+        # (its rows then decode eagerly, logged; `forward_batch`).
+        if self.compiled is not None and not deterministic:
             mode += "+decode=" + self.compiled.signature()
         return mode
 
@@ -437,7 +439,12 @@ class ModelAdapter(TextMethods):
             and group_decode
             and is_decode_step(chunks)
         ):
-            return compiled(chunks, self.kv_format, self.device)
+            try:
+                return compiled(chunks, self.kv_format, self.device)
+            except Exception as exc:  # a recompile that fails: eager from now on
+                logger.exception("the compiled decode step failed; decoding eagerly from now on")
+                compiled.reason = f"failed while serving ({type(exc).__name__}: {exc})"
+                self.decode_path = f"eager (the compiled step {compiled.reason})"
         # Rows of one adapter side by side, so each adapter's rows are one slice
         # (`model.lora_layers`); the logits go back to the caller's order below.
         order = adapter_order([c.lora for c in chunks])
@@ -519,7 +526,7 @@ class ModelAdapter(TextMethods):
                 self.compiled = compiled
                 seconds = sum(compiled.compile_seconds.values())
                 self.decode_path = (
-                    f"compiled ({compiled.signature()}; {compiled.compiles} graphs "
+                    f"compiled ({compiled.signature()}; {compiled.compiles} graph(s) "
                     f"in {seconds:.1f} s)"
                 )
                 return
