@@ -150,6 +150,9 @@ def test_a_decoder_it_does_not_describe_stays_eager(tmp_path: Path) -> None:
     adapter.compile_decode()
     assert adapter.compiled is None
     assert "not gemma3_text" in adapter.decode_path
+    int8 = load_model(str(make_tiny_model(tmp_path / "llama", seed=1)), dtype="int8")
+    int8.compile_decode()
+    assert int8.compiled is None and "int8 weights" in int8.decode_path
 
 
 def _engine(model: Path, **cache: object) -> Engine:

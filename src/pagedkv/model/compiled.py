@@ -11,7 +11,7 @@ norms, rotary positions, a SiLU-gated MLP; llama, mistral without a window,
 qwen2, qwen3) written here over the model's own tensors. Two things stay
 outside the generated code, as opaque ops the graph calls:
 - the linear products (`pagedkv::linear`): layers by index, with the kernel the
-  eager path uses (oneDNN over packed weights, int8 pairs): the model's own
+  eager path uses (oneDNN over packed weights): the model's own
   o and down projections and output layer, and fused copies of q/k/v and of
   gate/up (one product each instead of three and two: ~20 us a call saved,
   for ~two thirds of the weights' bytes again in memory). Rejected: inductor's
@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.model.batch import RaggedPlan, SeqChunk, plan_batch, ragged_attention
-from pagedkv.model.linear import pack_linear
+from pagedkv.model.linear import INT8_KERNEL, pack_linear
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ _running = threading.local()
 
 
 # The linear layers compiled steps call (`pagedkv::linear`), by index, so the graph
-# holds no weights: the model's own modules (oneDNN-packed, int8 or plain) and the fused
+# holds no weights: the model's own modules (oneDNN-packed or plain) and the fused
 # copies its `DecodeStep` holds. Weak references: a step's indices are constants of its
 # graph, and a model let go takes its layers with it.
 _linears: list[weakref.ref[torch.nn.Module]] = []
@@ -160,9 +160,11 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: floa
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
-def compile_reason(model: Any, batched: bool, windows: Sequence[int | None]) -> str | None:
+def compile_reason(
+    model: Any, batched: bool, windows: Sequence[int | None], linear_kernel: str
+) -> str | None:
     """Why `model`'s decode step cannot be compiled here (`windows`: its KV layers'
-    sliding windows); None if it can."""
+    sliding windows; `linear_kernel`: `ModelAdapter.linear_kernel`); None if it can."""
     config = model.config
     text = config.get_text_config(decoder=True)
     kind = getattr(text, "model_type", None)
@@ -172,6 +174,11 @@ def compile_reason(model: Any, batched: bool, windows: Sequence[int | None]) -> 
         return "the model runs one sequence per forward, not in the ragged batch"
     if any(w is not None for w in windows):
         return "sliding-window layers"
+    if linear_kernel == INT8_KERNEL:
+        # Its layers share one input's codes, keyed on the input tensor object, and the
+        # generated code reuses an object for another activation (measured: logits off
+        # by ~9 on a tiny llama).
+        return "int8 weights (their layers share input codes by tensor object)"
     if getattr(text, "hidden_act", "silu") != "silu":
         return f"activation {text.hidden_act}"
     inner = getattr(model, "model", None)
@@ -187,11 +194,8 @@ def compile_reason(model: Any, batched: bool, windows: Sequence[int | None]) -> 
 def _fused(*layers: Any) -> torch.nn.Module:
     """One linear layer computing `layers`' outputs side by side (q, k and v; gate and
     up): one product instead of two or three, each a call with a fixed cost. Packed for
-    oneDNN as the model's own are (`model.linear`); int8 layers stay apart (they share
-    their input's codes already) and come back as one module that calls each."""
+    oneDNN as the model's own are (`model.linear`)."""
     weights = [layer.weight for layer in layers]
-    if any(w.dtype == torch.int8 for w in weights):
-        return _Apart(layers)
     packed = any(w.is_mkldnn for w in weights)
     dense = torch.cat([w.to_dense() if w.is_mkldnn else w.detach() for w in weights])
     biases = [layer.bias for layer in layers]
@@ -203,18 +207,6 @@ def _fused(*layers: Any) -> torch.nn.Module:
     if packed:
         pack_linear(fused)
     return fused
-
-
-class _Apart(torch.nn.Module):
-    """Layers that take the same input, called one after the other, outputs side by side."""
-
-    def __init__(self, layers: Sequence[Any]) -> None:
-        super().__init__()
-        self.parts = torch.nn.ModuleList(layers)
-        self.out_features = sum(int(layer.out_features) for layer in layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([part(x) for part in self.parts], -1)
 
 
 class _DecodeLayer(torch.nn.Module):

@@ -517,21 +517,26 @@ class ModelAdapter(TextMethods):
         the namespace is read (the step is in its `mode`). Where it cannot be compiled or
         disagrees with the eager forward, decode stays eager with a warning
         (`decode_path` says why): never a failed start."""
-        reason = compile_reason(self.model, self.batched, self.kv_windows)
+        reason = compile_reason(self.model, self.batched, self.kv_windows, self.linear_kernel)
         if reason is None:
-            compiled = CompiledDecode(self.model)
-            compiled.compile(self.new_kv_buffer, self.kv_format, self.device, self._disagrees)
-            reason = compiled.reason
-            if reason is None:
-                self.compiled = compiled
-                seconds = sum(compiled.compile_seconds.values())
-                self.decode_path = (
-                    f"compiled ({compiled.signature()}; {compiled.compiles} graph(s) "
-                    f"in {seconds:.1f} s)"
-                )
+            try:
+                compiled = CompiledDecode(self.model)
+            except Exception as exc:  # a layer that is not what `DecodeStep` reads
+                reason = f"its layers are not a plain decoder's ({type(exc).__name__}: {exc})"
+            else:
+                # `compile` logs its own warning when it stays eager
+                compiled.compile(self.new_kv_buffer, self.kv_format, self.device, self._disagrees)
+                if compiled.reason is None:
+                    self.compiled = compiled
+                    seconds = sum(compiled.compile_seconds.values())
+                    self.decode_path = (
+                        f"compiled ({compiled.signature()}; {compiled.compiles} graph(s) "
+                        f"in {seconds:.1f} s)"
+                    )
+                else:
+                    self.decode_path = f"eager (not compiled: {compiled.reason})"
                 return
-        else:
-            logger.warning("the decode step stays eager: %s", reason)
+        logger.warning("the decode step stays eager: %s", reason)
         self.decode_path = f"eager (not compiled: {reason})"
 
     def _disagrees(self, compiled: CompiledDecode) -> str | None:
