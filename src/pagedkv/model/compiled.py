@@ -126,20 +126,6 @@ def decode_attention(
     buffer, and its attention output comes back `[B, heads * head_dim]`."""
     plan: RaggedPlan = _running.plan
     n = plan.num_rows
-    fmt = plan.kv_format
-    if n == 1 and (fmt is None or (not fmt.scaled and fmt.storage_dtype == q.dtype)):
-        # One sequence: its buffer, written and read in place, with the grouped decode
-        # attention's own call (`ragged_attention`'s, for one decode row), without the
-        # plan's spans and groups (measured: ~260 against ~100 us a layer).
-        chunk = plan.chunks[0]
-        at, buf = chunk.start, chunk.kv
-        buf[layer, 0, :, at] = k[0]
-        buf[layer, 1, :, at] = v[0]
-        grouped = q.view(1, k.shape[1], -1, q.shape[2])
-        o = F.scaled_dot_product_attention(
-            grouped, buf[layer, 0:1, :, : at + 1], buf[layer, 1:2, :, : at + 1], scale=scale
-        )
-        return o.reshape(1, -1)
     query = q.transpose(0, 1).unsqueeze(0)
     key = k.transpose(0, 1).unsqueeze(0)
     value = v.transpose(0, 1).unsqueeze(0)
