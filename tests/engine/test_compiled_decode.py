@@ -1,8 +1,8 @@
 """The compiled decode step (`model.compiled`, `--compile-decode`) on tiny random models:
-its greedy tokens and logits match the eager step's at one row and at several, the
-rows never compile more than its two graphs, the namespace names it, and where it
-cannot be compiled (a compiler failure, a decoder it does not describe) decoding
-stays eager with the reason said. The engine with it: cached == fresh over a chat,
+its greedy tokens and logits match the eager step's at one row and at several through
+one package, a second load reads the package from disk, the namespace names it, and
+where it cannot be compiled (a compiler failure, a decoder it does not describe)
+decoding stays eager with the reason said. The engine with it: cached == fresh over a chat,
 and its refusal next to the deterministic option.
 
 A llama (the bundled model's architecture) and a qwen3 with attention biases (q/k
@@ -11,6 +11,7 @@ norms and biases: the other paths `DecodeStep` has)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,15 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     arch = request.param
     path = tmp_path_factory.mktemp(f"compiled-{arch}") / "model"
     return make_tiny_model(path, arch=arch, seed=1, **ARCHS[arch])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A user cache of this module's own: every package is built here first."""
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDKV_CACHE_HOME", str(home))
+        yield home
 
 
 @pytest.fixture(scope="module")
@@ -88,35 +98,46 @@ def test_compiled_decode_matches_the_eager_step(compiled: ModelAdapter, rows: in
         torch.testing.assert_close(g, w, rtol=0, atol=1e-3 * float(w.abs().max()))
     for kv, twin, start in zip(kvs, twins, starts, strict=True):  # the KV each row wrote
         torch.testing.assert_close(kv[:, :, :, : start + 8], twin[:, :, :, : start + 8])
-    assert step.compiles == 1, "one graph for every row count"
+    assert step.active  # every row count went through the one exported layer
+
+
+def test_a_second_start_loads_the_package(compiled: ModelAdapter, model_dir: Path) -> None:
+    step = compiled.compiled
+    assert step is not None and not step.loaded and step.path.is_file()
+    again = load_model(str(model_dir))
+    again.compile_decode()
+    assert again.compiled is not None and again.compiled.loaded
+    assert again.compiled.path == step.path
+    assert "loaded in" in again.decode_path
 
 
 def test_the_namespace_names_the_compiled_step(compiled: ModelAdapter) -> None:
-    assert compiled.decode_path.startswith("compiled (inductor:torch-")
+    assert compiled.decode_path.startswith("compiled (aotinductor:torch-")
     mode = compiled.identity(BS)["mode"]
-    assert mode.startswith("grouped+decode=inductor:torch-")
+    assert mode.startswith("grouped+decode=aotinductor:torch-")
     assert compiled.identity(BS, deterministic=True)["mode"] == "deterministic"
 
 
 def test_a_failure_while_serving_falls_back_to_the_eager_step(compiled: ModelAdapter) -> None:
     step = compiled.compiled
     assert step is not None
-    mode, path, fn = compiled.identity(BS)["mode"], compiled.decode_path, step._fn
+    mode, path, package = compiled.identity(BS)["mode"], compiled.decode_path, step._step.package
 
-    def recompile_fails(*args: object) -> None:
-        raise RuntimeError("an op inductor cannot lower")
+    class Failing:
+        def boxed_run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            raise RuntimeError("an op inductor cannot lower")
 
     kv = compiled.new_kv_buffer(16)
     prompt = [5, 6, 7, 8, 9]
     compiled.forward_batch([SeqChunk(kv, 0, prompt, True)])
     twin = kv.clone()
-    step._fn = recompile_fails
+    step._step.package = Failing()
     try:
         got = compiled.forward_batch([SeqChunk(kv, len(prompt), [10], True)])
         assert not step.active and "an op inductor cannot lower" in compiled.decode_path
         assert compiled.identity(BS)["mode"] == mode  # the namespace the cache was built on
     finally:
-        step._fn, step.reason, compiled.decode_path = fn, None, path
+        step._step.package, step.reason, compiled.decode_path = package, None, path
     compiled.compiled = None
     try:
         want = compiled.forward_batch([SeqChunk(twin, len(prompt), [10], True)])
@@ -126,13 +147,17 @@ def test_a_failure_while_serving_falls_back_to_the_eager_step(compiled: ModelAda
 
 
 def test_a_compiler_failure_leaves_decoding_eager(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     def no_compiler(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no C++ compiler found")
 
     adapter = load_model(str(model_dir))
-    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setenv("PAGEDKV_CACHE_HOME", str(tmp_path))  # no package on disk
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
     with caplog.at_level(logging.WARNING, logger="pagedkv.model.compiled"):
         adapter.compile_decode()
     assert adapter.compiled is None
@@ -164,7 +189,7 @@ def test_engine_cached_equals_fresh_with_the_compiled_step(model_dir: Path) -> N
     turn1 = [(5 * i + 1) % 400 + 5 for i in range(37)]
     with _engine(model_dir) as eng:
         runtime = stats_json(eng.cache_stats())["runtime"]
-        assert runtime["decode"].startswith("compiled (inductor:")
+        assert runtime["decode"].startswith("compiled (aotinductor:")
         first = eng.generate(turn1, GREEDY)
         again = eng.generate(turn1, GREEDY)
         turn2 = turn1 + first.token_ids + [(3 * i + 2) % 400 + 5 for i in range(11)]

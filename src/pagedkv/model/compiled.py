@@ -1,34 +1,43 @@
-"""A compiled decode step: a plain decoder's one-token rows through torch.compile.
+"""A compiled decode step: a plain decoder's one-token rows through AOTInductor.
 
 A decode step of the bundled model spends much of its time outside the linear
 products: 30 layers of small operations (norms, rotary embedding, the MLP's
 element-wise work, views) dispatched one at a time from Python and
-transformers' modules. Inductor traces the step and generates C++ that fuses
-each layer's element-wise work into a few loops.
+transformers' modules. Inductor generates C++ that fuses each layer's
+element-wise work into a few loops.
 
-What is compiled: `DecodeStep`, the decode forward of a plain decoder (RMS
-norms, rotary positions, a SiLU-gated MLP; llama, mistral without a window,
-qwen2, qwen3) written here over the model's own tensors. Two things stay
-outside the generated code, as opaque ops the graph calls:
-- the linear products (`pagedkv::linear`): layers by index, with the kernel the
-  eager path uses (oneDNN over packed weights): the model's own
-  o and down projections and output layer, and fused copies of q/k/v and of
-  gate/up (one product each instead of three and two: ~20 us a call saved,
-  for ~two thirds of the weights' bytes again in memory). Rejected: inductor's
-  `freezing`, which packs its own copy of every weight and whose packed
-  constants its disk cache cannot store (every start compiled again: 90-105 s
-  for the bundled model here);
-- attention (`pagedkv::decode_attention`): the ragged batch's
-  (`model.batch.ragged_attention`), which writes each row's keys and values into
-  its sequence's buffer and attends with the grouped decode attention.
-So the graph's shapes depend on its number of rows only, never on a context
-length or a buffer, and the rows are a size dynamo leaves symbolic and does not
-specialize at 1 (`mark_unbacked`): one graph for every row count, compiled at
-start-up and counted (`CompiledDecode.compiles`, which also counts, and logs,
-any later recompile). Rejected: a graph per padded row bucket (1, 2, 4, 8, 16),
-five compiles with padding rows computed for nothing; and `dynamic=True` alone,
-which specializes one row and so compiles twice (each compile, and each load
-from the disk cache, costs its dynamo trace: ~13 s for the bundled model here).
+What is compiled: `decode_layer`, one decoder layer's decode rows (RMS norms,
+rotary positions, a SiLU-gated MLP; llama, mistral without a window, qwen2,
+qwen3) written here over the model's own tensors, which it takes as inputs
+(`_LayerArgs`): every layer has the same shapes, so one compiled layer serves
+all of them. `DecodeStep` runs the embedding, the rotary angles and the output
+layer eagerly (a few operations) and the layers through it. The linear products:
+- 4-bit layers (`model.int4`) inside the generated code: the kernel
+  `_weight_int4pack_mm_for_cpu` over their tensors, q/k/v and gate/up
+  concatenated along the outputs (one product instead of three and two);
+- other layers as an opaque op (`pagedkv::linear`) that calls a registered
+  layer by index (a 0-d tensor input: one layer's index is not a constant of the
+  code), with the kernel the eager path uses (oneDNN over packed weights, which
+  inductor cannot take as inputs): the model's own o and down projections, and
+  fused copies of q/k/v and gate/up (~20 us a call saved, for ~two thirds of the
+  weights' bytes again in memory). Rejected: inductor's `freezing`, which packs
+  its own copy of every weight and whose packed constants its disk cache cannot
+  store (every start compiled again: 90-105 s for the bundled model here).
+Attention is an opaque op too (`pagedkv::decode_attention`): the ragged batch's
+(`model.batch.ragged_attention`), which writes each row's keys and values into
+its sequence's buffer and attends with the grouped decode attention. So the
+layer's shapes depend on its number of rows only, never on a context length or
+a buffer, and the rows are a dynamic size of the export: one compiled layer for
+every row count, never compiled again while serving.
+
+Ahead of time: `torch.export` and AOTInductor build a package (`.pt2`: the
+generated code as a shared library) under the user cache's `compiled/`, named by
+what it depends on (`package_key`: the compiler, the CPU instructions, this file,
+the model's shapes and input dtypes; not the weights). A restart loads it: no
+trace, no compile (measured for the bundled model: built in ~20-33 s, loaded in
+~3-4 s, most of it inductor probing the CPU's instructions). Rejected:
+`torch.compile` of the whole step, whose warm start re-traces the 30 layers
+(13-15 s, and its per-call guards cost ~20% of a layer's time).
 
 Which steps: those whose every chunk is one decode row with no LoRA adapter, in
 the default batching mode. A step with a prompt chunk runs eagerly; so does
@@ -40,39 +49,38 @@ decodes the other way. Cached == fresh holds within the mode: a prompt's rows
 are computed eagerly either way, and decode rows are decode rows whether their
 prompt was cached or not.
 
-Start-up: the compile runs on the worker thread before the first request, each
-graph's time logged. Inductor keeps what it compiled on disk (its FX graph
-cache under `TORCHINDUCTOR_CACHE_DIR`, which `pagedkv/__init__.py` points at the
-user cache's `inductor/` unless it is set), so a restart with the same model,
-dtype and torch loads it instead of compiling again.
-
-Fallback: a model this step does not describe (`compile_reason`), a compile
-that fails (no C++ compiler, an op inductor cannot lower) or a compiled step
-whose logits disagree with the eager forward's leaves the step eager, with the
-reason logged and kept (`CompiledDecode.reason`): never a failed start.
+Fallback: a model this step does not describe (`compile_reason`), a build or
+load that fails (no C++ compiler, an op inductor cannot lower) or a compiled
+step whose logits disagree with the eager forward's leaves the step eager, with
+the reason logged and kept (`CompiledDecode.reason`): never a failed start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import threading
 import time
 import typing
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pagedkv.model.batch import RaggedPlan, SeqChunk, plan_batch, ragged_attention
+from pagedkv.model.int4 import INT4_GROUP, Int4Linear
 from pagedkv.model.linear import INT8_KERNEL, pack_linear
 
 log = logging.getLogger(__name__)
 
-# The row counts run at start-up: the first compiles the one graph, the second checks
-# that another count needs no other.
+# The row counts run at start-up (the last is the example the layer is exported at).
 COMPILED_ROWS = (1, 2)
+# The most rows the exported layer takes (a step's decode rows: one per running sequence).
+_MAX_ROWS = 1 << 16
 # Model types whose decoder `DecodeStep` computes, layer for layer.
 _PLAIN_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 # Bumped when `DecodeStep` computes otherwise (part of the namespace's `mode`).
@@ -83,31 +91,30 @@ _STEP_VERSION = 1
 _running = threading.local()
 
 
-# The linear layers compiled steps call (`pagedkv::linear`), by index, so the graph
-# holds no weights: the model's own modules (oneDNN-packed or plain) and the fused
-# copies its `DecodeStep` holds. Weak references: a step's indices are constants of its
-# graph, and a model let go takes its layers with it.
+# The packed linear layers compiled steps call (`pagedkv::linear`), by index, so the
+# graph holds no oneDNN-packed weight (inductor cannot take one as an input): the
+# model's own modules and the fused copies its `DecodeStep` holds. Weak references: a
+# model let go takes its layers with it.
 _linears: list[weakref.ref[torch.nn.Module]] = []
-_linear_out: list[int] = []
 
 
-def _register(module: torch.nn.Module) -> int:
+def _register(module: torch.nn.Module) -> torch.Tensor:
+    """`module`'s index among `_linears`, as the 0-d tensor the graph passes on."""
     _linears.append(weakref.ref(module))
-    _linear_out.append(int(typing.cast(torch.nn.Linear, module).out_features))
-    return len(_linears) - 1
+    return torch.tensor(len(_linears) - 1)
 
 
 @torch.library.custom_op("pagedkv::linear", mutates_args=())
-def linear(x: torch.Tensor, index: int) -> torch.Tensor:
+def linear(x: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x [rows, in]` through the registered linear layer `index` (`_register`)."""
-    module = _linears[index]()
+    module = _linears[int(index)]()
     assert module is not None, "a compiled step outlived its model"
     return typing.cast(torch.Tensor, module(x))
 
 
 @linear.register_fake
-def _(x: torch.Tensor, index: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], _linear_out[index]))
+def _(x: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
 
 
 class _Layer:
@@ -119,18 +126,19 @@ class _Layer:
 
 @torch.library.custom_op("pagedkv::decode_attention", mutates_args=())
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Rows `q [B, heads, head_dim]`, `k` and `v` `[B, kv_heads, head_dim]`, one per decode
     chunk of the running plan: each row's keys and values go into its sequence's
-    buffer, and its attention output comes back `[B, heads * head_dim]`."""
+    buffer (of KV layer `layer`, a 0-d tensor), and its attention output comes back
+    `[B, heads * head_dim]`."""
     plan: RaggedPlan = _running.plan
     n = plan.num_rows
     query = q.transpose(0, 1).unsqueeze(0)
     key = k.transpose(0, 1).unsqueeze(0)
     value = v.transpose(0, 1).unsqueeze(0)
     out, _ = ragged_attention(
-        _Layer(layer),  # type: ignore[arg-type]
+        _Layer(int(layer)),  # type: ignore[arg-type]
         query,
         key,
         value,
@@ -142,7 +150,9 @@ def decode_attention(
 
 
 @decode_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float
+) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
@@ -177,15 +187,21 @@ def compile_reason(
     return None
 
 
+# A linear layer as the compiled layer takes it: `(weight, scales_zeros, bias)` of 4-bit
+# weights (`model.int4`), which the graph multiplies itself, or `(index,)` of a
+# registered layer (`pagedkv::linear`).
+Product = tuple[torch.Tensor, ...]
+
+
 def _fused(*layers: Any) -> torch.nn.Module:
-    """One linear layer computing `layers`' outputs side by side (q, k and v; gate and
-    up): one product instead of two or three, each a call with a fixed cost. Packed for
-    oneDNN as the model's own are (`model.linear`)."""
+    """One packed (or plain) linear layer computing `layers`' outputs side by side."""
     weights = [layer.weight for layer in layers]
     packed = any(w.is_mkldnn for w in weights)
     dense = torch.cat([w.to_dense() if w.is_mkldnn else w.detach() for w in weights])
     biases = [layer.bias for layer in layers]
-    fused = torch.nn.Linear(dense.shape[1], dense.shape[0], bias=biases[0] is not None)
+    fused = torch.nn.utils.skip_init(
+        torch.nn.Linear, dense.shape[1], dense.shape[0], bias=biases[0] is not None
+    )
     fused.requires_grad_(False)
     fused.weight.data = dense
     if fused.bias is not None:
@@ -195,83 +211,155 @@ def _fused(*layers: Any) -> torch.nn.Module:
     return fused
 
 
-class _DecodeLayer(torch.nn.Module):
-    """One decoder layer's weights as the step reads them: its linear layers by index
-    (`_register`; q, k and v fused, gate and up fused: copies, the rest the model's own
-    modules), its norms' weights (the model's own tensors)."""
+def _product_of(layers: Sequence[Any], keep: list[torch.nn.Module]) -> Product:
+    """How the compiled layer multiplies by `layers`' outputs side by side (q, k and v;
+    gate and up: one product instead of two or three, each a call with a fixed cost),
+    or by one layer. 4-bit layers (`model.int4`) as their tensors, concatenated along
+    the outputs (their packing keeps each output row's codes apart); other layers
+    registered by index, fused into a copy packed for oneDNN as the model's own are
+    (`model.linear`; kept alive in `keep`)."""
+    if all(isinstance(layer, Int4Linear) for layer in layers):
+        biases = [layer.bias for layer in layers]
+        bias = torch.empty(0) if biases[0] is None else torch.cat(biases)
+        weight = torch.cat([layer.weight for layer in layers])
+        scales_zeros = torch.cat([layer.scales_zeros for layer in layers], dim=1)
+        return (weight, scales_zeros, bias)
+    module = layers[0] if len(layers) == 1 else _fused(*layers)
+    keep.append(module)
+    return (_register(module),)
 
-    def __init__(self, layer: Any) -> None:
-        super().__init__()
-        a, mlp = layer.self_attn, layer.mlp
-        # The fused copies live here (the registry holds weak references).
-        self.fused = torch.nn.ModuleList(
-            [_fused(a.q_proj, a.k_proj, a.v_proj), _fused(mlp.gate_proj, mlp.up_proj)]
-        )
-        self.qkv, self.gate_up = (_register(m) for m in self.fused)
-        self.qkv_sizes = [a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features]
-        self.intermediate = int(mlp.up_proj.out_features)
-        self.o, self.down = _register(a.o_proj), _register(mlp.down_proj)
-        self.norm1 = layer.input_layernorm.weight
-        self.norm2 = layer.post_attention_layernorm.weight
-        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        self.q_norm = None if q_norm is None else q_norm.weight
-        self.k_norm = None if k_norm is None else k_norm.weight
-        self.scale = float(a.scaling)
+
+def _product(x: torch.Tensor, product: Product, out_features: int) -> torch.Tensor:
+    if len(product) == 1:
+        return torch.ops.pagedkv.linear(x, product[0], out_features)
+    weight, scales_zeros, bias = product
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scales_zeros)
+    return y + bias if bias.numel() else y
+
+
+class _Shape(typing.NamedTuple):
+    """What every layer of one model shares: constants of the compiled layer."""
+
+    head_dim: int
+    qkv: tuple[int, int, int]  # q, k and v's widths
+    hidden: int
+    intermediate: int
+    eps: float
+    scale: float
+    q_norm: bool  # qwen3's norms of q and k
+
+
+class _LayerArgs(typing.NamedTuple):
+    """One decoder layer as the compiled layer takes it: tensors only, alike in shape
+    from layer to layer, so one graph serves them all."""
+
+    layer: torch.Tensor  # its KV layer's index, 0-d
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    q_norm: torch.Tensor  # empty where the model has none
+    k_norm: torch.Tensor
+    qkv: Product
+    o: Product
+    gate_up: Product
+    down: Product
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def decode_layer(
+    shape: _Shape, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a: _LayerArgs
+) -> torch.Tensor:
+    """One decoder layer over decode rows `h [B, hidden]`: what is compiled."""
+    b, hd = h.shape[0], shape.head_dim
+    x = _rms(h, a.norm1, shape.eps)
+    q, k, v = _product(x, a.qkv, sum(shape.qkv)).split(list(shape.qkv), -1)
+    q, k, v = q.view(b, -1, hd), k.view(b, -1, hd), v.view(b, -1, hd)
+    if shape.q_norm:
+        q, k = _rms(q, a.q_norm, shape.eps), _rms(k, a.k_norm, shape.eps)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    o = torch.ops.pagedkv.decode_attention(q, k, v, a.layer, shape.scale)
+    h = h + _product(o, a.o, shape.hidden)
+    x = _rms(h, a.norm2, shape.eps)
+    n = shape.intermediate
+    gate, up = _product(x, a.gate_up, 2 * n).split([n, n], -1)
+    return h + _product(F.silu(gate) * up, a.down, shape.hidden)
 
 
 class DecodeStep(torch.nn.Module):
     """One decode row per sequence: `forward(ids [B], positions [B])` gives the float32
-    logits `[B, vocab]`, each row's keys and values written by the attention op. It
-    holds the model's own tensors (the embedding, norms, rotary table) and calls the
-    model's own linear layers (`pagedkv::linear`): nothing is copied."""
+    logits `[B, vocab]`, each row's keys and values written by the attention op. The
+    embedding, rotary angles and output layer run eagerly (a few operations); each
+    decoder layer through `package` (`decode_layer` compiled once for all the layers;
+    `decode_layer` itself until then). It holds the model's own tensors and linear
+    layers, and fused copies of q/k/v and gate/up."""
 
     def __init__(self, model: Any) -> None:
         super().__init__()
         text = model.config.get_text_config(decoder=True)
         inner = model.model
-        self.heads = int(text.num_attention_heads)
-        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or self.heads)
-        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.heads)
-        self.eps = float(text.rms_norm_eps)
+        heads = int(text.num_attention_heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        first = inner.layers[0]
+        a, mlp = first.self_attn, first.mlp
+        self.shape = _Shape(
+            head_dim=head_dim,
+            qkv=(a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features),
+            hidden=int(a.o_proj.out_features),
+            intermediate=int(mlp.up_proj.out_features),
+            eps=float(text.rms_norm_eps),
+            scale=float(a.scaling),
+            q_norm=getattr(a, "q_norm", None) is not None,
+        )
+        # The fused copies, the layers the graph calls by index (weakly registered).
+        self.kept: list[torch.nn.Module] = []
+        self.layers = [self._args(i, layer) for i, layer in enumerate(inner.layers)]
         self.embed = inner.embed_tokens.weight
-        self.layers = torch.nn.ModuleList(_DecodeLayer(layer) for layer in inner.layers)
-        self.norm = inner.norm.weight
-        self.head = _register(model.lm_head)
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq
         self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        # Each layer's inputs as the package takes them, flat.
+        self.flat = [_leaves(args) for args in self.layers]
+        self.package: Any = None  # the compiled layer (`CompiledDecode.compile`); None: eager
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+    def _args(self, i: int, layer: Any) -> _LayerArgs:
+        a, mlp, keep = layer.self_attn, layer.mlp, self.kept
+        none = torch.empty(0)
+        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        return _LayerArgs(
+            layer=torch.tensor(i),
+            norm1=layer.input_layernorm.weight,
+            norm2=layer.post_attention_layernorm.weight,
+            q_norm=none if q_norm is None else q_norm.weight,
+            k_norm=none if k_norm is None else k_norm.weight,
+            qkv=_product_of([a.q_proj, a.k_proj, a.v_proj], keep),
+            o=_product_of([a.o_proj], keep),
+            gate_up=_product_of([mlp.gate_proj, mlp.up_proj], keep),
+            down=_product_of([mlp.down_proj], keep),
+        )
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        b, hd = ids.shape[0], self.head_dim
         h = F.embedding(ids, self.embed)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), -1)
         cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None, :]
         sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None, :]
-        lin = torch.ops.pagedkv.linear
-        for i, layer in enumerate(typing.cast(list[_DecodeLayer], self.layers)):
-            x = self._rms(h, layer.norm1)
-            q, k, v = lin(x, layer.qkv).split(layer.qkv_sizes, -1)
-            q, k, v = q.view(b, -1, hd), k.view(b, -1, hd), v.view(b, -1, hd)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-            o = torch.ops.pagedkv.decode_attention(q, k, v, i, layer.scale)
-            h = h + lin(o, layer.o)
-            x = self._rms(h, layer.norm2)
-            gate, up = lin(x, layer.gate_up).split([layer.intermediate, layer.intermediate], -1)
-            h = h + lin(F.silu(gate) * up, layer.down)
-        return lin(self._rms(h, self.norm), self.head).float()
+        for args, flat in zip(self.layers, self.flat, strict=True):
+            if self.package is None:
+                h = decode_layer(self.shape, h, cos, sin, args)
+            else:
+                h = self.package.boxed_run([h, cos, sin, *flat])[0]
+        return typing.cast(torch.Tensor, self.lm_head(self.norm(h))).float()
 
 
 def is_decode_step(chunks: Sequence[SeqChunk]) -> bool:
@@ -281,25 +369,50 @@ def is_decode_step(chunks: Sequence[SeqChunk]) -> bool:
     )
 
 
-class CompiledDecode:
-    """The decode step compiled once for any number of rows; `reason` says why it is
-    not in use (None: it is)."""
+class _Exported(torch.nn.Module):
+    """`decode_layer` as `torch.export` takes it: tensors (in nested tuples) in, `h` out."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, shape: _Shape) -> None:
+        super().__init__()
+        self.shape = shape
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, args: tuple[Any, ...]
+    ) -> torch.Tensor:
+        return decode_layer(self.shape, h, cos, sin, _LayerArgs(*args))
+
+
+class CompiledDecode:
+    """The decode step's layer compiled once, ahead of time, for any number of rows;
+    `reason` says why it is not in use (None: it is)."""
+
+    def __init__(self, model: Any, directory: Path) -> None:
         self.reason: str | None = None
-        self.compiles = 0  # graphs compiled (or loaded from inductor's disk cache)
-        self.compile_seconds: dict[int, float] = {}  # by the row count compiled for
+        self.loaded = False  # the package was on disk (not built now)
+        self.seconds = 0.0  # building or loading it, and its first steps
         self.steps = 0  # decode steps computed compiled
         self._step = DecodeStep(model).eval()
-        self._fn: Any = None
+        self.path = directory / f"{self.package_key()}.pt2"
 
     @property
     def active(self) -> bool:
-        return self._fn is not None and self.reason is None
+        return self._step.package is not None and self.reason is None
 
     def signature(self) -> str:
-        """What the namespace's `mode` names: the compiler, its version, the step's."""
-        return f"inductor:torch-{torch.__version__}:v{_STEP_VERSION}"
+        """What the namespace's `mode` names: the compiler, its version, the CPU
+        instructions its code was generated for (they round otherwise), the step's."""
+        cpu = torch.backends.cpu.get_cpu_capability().lower()
+        return f"aotinductor:torch-{torch.__version__}:{cpu}:v{_STEP_VERSION}"
+
+    def package_key(self) -> str:
+        """What the compiled layer depends on: the signature, this file's code, the
+        model's shape constants and each input's dtype and size (not the weights:
+        inputs)."""
+        args = [(str(t.dtype), tuple(t.shape)) for t in _leaves(self._step.layers[0])]
+        text = repr((self.signature(), tuple(self._step.shape), args))
+        digest = hashlib.sha256(Path(__file__).read_bytes())
+        digest.update(text.encode())
+        return digest.hexdigest()[:24]
 
     def compile(
         self,
@@ -308,53 +421,75 @@ class CompiledDecode:
         device: torch.device,
         check: Callable[[CompiledDecode], str | None],
     ) -> None:
-        """Compile the step for `COMPILED_ROWS`, each over throwaway buffers from
-        `new_buffer(capacity)`, then `check(self)`: why the compiled step disagrees with
-        the eager forward, or None. On any failure the step stays eager (`reason`)."""
+        """Load the layer's package from disk, or build it there (`build`); run
+        `COMPILED_ROWS` rows over throwaway buffers from `new_buffer(capacity)`, then
+        `check(self)`: why the compiled step disagrees with the eager forward, or None.
+        On any failure the step stays eager (`reason`)."""
+        started = time.perf_counter()
         try:
-            self._fn = torch.compile(self._step, dynamic=True, fullgraph=True)
+            self.loaded = self.path.is_file()
+            if not self.loaded:
+                self.build()
+            # torch's loader itself: `aoti_load_package` first probes which vector
+            # instructions the CPU runs (2-2.5 s of subprocesses here) only to warn
+            # when they differ from the build's, which the package's name already
+            # includes; and its call parses the package's input layout every time.
+            self._step.package = torch._C._aoti.AOTIModelPackageLoader(
+                str(self.path), "model", False, 1, -1
+            )
             for rows in COMPILED_ROWS:
-                started = time.perf_counter()
                 chunks = [SeqChunk(new_buffer(4), 1, [0], True) for _ in range(rows)]
                 self(chunks, kv_format, device)
-                self.compile_seconds[rows] = seconds = time.perf_counter() - started
-                log.info(
-                    "decode step: %d row(s) in %.1f s, %d graph(s) compiled or loaded",
-                    rows, seconds, self.compiles,
-                )  # fmt: skip
             self.reason = check(self)
         except Exception as exc:  # any compiler failure: stay eager
             self.reason = f"compiling failed ({type(exc).__name__}: {exc})"
+        self.seconds = time.perf_counter() - started
         if self.reason is not None:
             log.warning("the decode step stays eager: %s", self.reason)
-            self._fn = None
+            self._step.package = None
+        else:
+            how = "loaded" if self.loaded else "built"
+            log.info("decode step: layer package %s in %.1f s (%s)", how, self.seconds, self.path)
+
+    def build(self) -> None:
+        """Export `decode_layer` with the rows dynamic and compile it with AOTInductor
+        into `path` (written whole, then renamed: a concurrent start never loads half)."""
+        step = self._step
+        b = COMPILED_ROWS[-1]  # an example size torch.export does not specialize
+        hidden, hd = step.shape.hidden, step.shape.head_dim
+        h = torch.zeros(b, hidden, dtype=step.embed.dtype)
+        cos = torch.zeros(b, 1, hd, dtype=step.embed.dtype)
+        args = tuple(step.layers[0])
+        rows = torch.export.Dim("rows", min=1, max=_MAX_ROWS)
+        dims = {"h": {0: rows}, "cos": {0: rows}, "sin": {0: rows}}
+        dims["args"] = torch.utils._pytree.tree_map(lambda _: None, args)
+        with torch.inference_mode():
+            exported = torch.export.export(
+                _Exported(step.shape), (h, cos, cos.clone(), args), dynamic_shapes=dims,
+                strict=False,
+            )  # fmt: skip
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.path.with_suffix(f".{os.getpid()}.partial.pt2")
+        try:
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
+            os.replace(partial, self.path)
+        finally:
+            partial.unlink(missing_ok=True)
 
     def __call__(
         self, chunks: list[SeqChunk], kv_format: Any, device: torch.device
     ) -> torch.Tensor:
         """The float32 logits `[wanted, vocab]` of one decode step (`is_decode_step`)."""
         plan, ids, positions, keep = plan_batch(chunks, None, device, kv_format, True)
-        ids, positions = ids[0], positions[0]
-        # The rows as a size dynamo neither fixes nor specializes at 1: one graph for all.
-        torch._dynamo.decorators.mark_unbacked(ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
-        graphs = _graphs()
         _running.plan = plan
         try:
             with torch.inference_mode():
-                logits = self._fn(ids, positions)
+                logits = self._step(ids[0], positions[0])
         finally:
             _running.plan = None
-        if (new := _graphs() - graphs) > 0:
-            self.compiles += new
-            if len(self.compile_seconds) == len(COMPILED_ROWS):
-                log.warning("the decode step compiled again, for %d rows", len(chunks))
         self.steps += 1
         return logits[keep]
 
 
-def _graphs() -> int:
-    """Graphs dynamo has compiled in this process."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+def _leaves(args: _LayerArgs) -> list[torch.Tensor]:
+    return typing.cast(list[torch.Tensor], torch.utils._pytree.tree_leaves(tuple(args)))

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Dynami
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pagedkv.cache.identity import NAMESPACE_FIELDS, namespace_digest
-from pagedkv.config import DTYPES
+from pagedkv.config import DTYPES, cache_home
 from pagedkv.errors import ModelNotSupportedError
 from pagedkv.model.batch import (
     ATTENTION_NAME,
@@ -520,7 +520,7 @@ class ModelAdapter(TextMethods):
         reason = compile_reason(self.model, self.batched, self.kv_windows, self.linear_kernel)
         if reason is None:
             try:
-                compiled = CompiledDecode(self.model)
+                compiled = CompiledDecode(self.model, cache_home() / "compiled")
             except Exception as exc:  # a layer that is not what `DecodeStep` reads
                 reason = f"its layers are not a plain decoder's ({type(exc).__name__}: {exc})"
             else:
@@ -528,10 +528,9 @@ class ModelAdapter(TextMethods):
                 compiled.compile(self.new_kv_buffer, self.kv_format, self.device, self._disagrees)
                 if compiled.reason is None:
                     self.compiled = compiled
-                    seconds = sum(compiled.compile_seconds.values())
+                    how = "loaded" if compiled.loaded else "built"
                     self.decode_path = (
-                        f"compiled ({compiled.signature()}; {compiled.compiles} graph(s) "
-                        f"in {seconds:.1f} s)"
+                        f"compiled ({compiled.signature()}; {how} in {compiled.seconds:.1f} s)"
                     )
                 else:
                     self.decode_path = f"eager (not compiled: {compiled.reason})"
