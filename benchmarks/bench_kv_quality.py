@@ -1,7 +1,7 @@
 """What compact KV and compact weights cost in quality and speed, on the bundled model.
 
     .venv/bin/python benchmarks/bench_kv_quality.py [--model smollm2-135m]
-        [--kv-dtypes auto,bfloat16,float16,int8] [--weights float32,int8] [--chunk 512]
+        [--kv-dtypes auto,bfloat16,float16,int8] [--weights float32,int8,int4] [--chunk 512]
 
 The text is tests/data/public_domain_text.txt (Lincoln, Dickens, Austen, Melville,
 the Declaration of Independence, Carroll, Genesis in the King James Version; all
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.config import DTYPES
 from pagedkv.model import load_model
 from pagedkv.model.batch import SeqChunk, plan_batch
 from pagedkv.model.hf import ModelAdapter
@@ -68,13 +69,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--kv-dtypes", default="auto,bfloat16,float16,int8")
-    ap.add_argument("--weights", default="float32,int8", help="--dtype values to compare")
+    ap.add_argument(
+        "--weights",
+        default="float32,int8",
+        help=f"--dtype values to compare, of {', '.join(DTYPES[1:])}",
+    )
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--skip-quality", action="store_true", help="decode speed only")
     args = ap.parse_args()
+    if unknown := [w for w in args.weights.split(",") if w not in DTYPES]:
+        ap.error(f"--weights: {', '.join(unknown)} not among {', '.join(DTYPES)}")
     adapters = {w: load_model(args.model, dtype=w) for w in args.weights.split(",")}
     base = adapters[args.weights.split(",")[0]]
     ids = base.encode(TEXT.read_text())

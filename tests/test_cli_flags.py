@@ -110,3 +110,17 @@ def test_version_names_pagedkv_torch_and_transformers() -> None:
     assert lines[0] == f"pagedkv {version('pagedkv')}"
     assert re.fullmatch(r"pagedkv \d+\.\d+\.\d+\S*", lines[0])
     assert lines[1:] == [f"torch {version('torch')}", f"transformers {version('transformers')}"]
+
+
+def test_every_weight_dtype_is_a_choice_and_documented(parser: argparse.ArgumentParser) -> None:
+    from pathlib import Path
+
+    from pagedkv.config import DTYPES
+
+    with_dtype = [
+        a for _, p in _parsers(parser) for a in p._actions if "--dtype" in a.option_strings
+    ]
+    assert with_dtype and all(list(a.choices or []) == list(DTYPES) for a in with_dtype)
+    assert "int4" in DTYPES and parser.parse_args(["serve", "--dtype", "int4"]).dtype == "int4"
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    assert f"`--dtype {'|'.join(DTYPES)}`" in usage

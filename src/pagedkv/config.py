@@ -15,8 +15,9 @@ GiB = 1024**3
 # How KV is held in the live buffers, RAM and every tier (see `model.kv_format`).
 KV_DTYPES = ("auto", "bfloat16", "float16", "int8")
 # `--dtype`: the model's weights and activations; int8 is int8 weights with float32
-# activations and KV (`model.linear.quantize_linears`), CPU only.
-DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+# activations and KV (`model.linear.quantize_linears`), int4 4-bit weights in groups
+# of 32 with bfloat16 activations and KV (`model.int4.quantize_linears_int4`), CPU only.
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
 # What computes the model (`--backend`, `model.choose`).
 BACKENDS = ("auto", "torch", "mlx")
 

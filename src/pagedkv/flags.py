@@ -71,7 +71,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         default=env("--dtype", "auto"),
         choices=list(DTYPES),
         help="weights and activations (default auto: float32 on CPU, bfloat16 on CUDA); "
-        "bfloat16 or int8 weights decode faster on the CPU at a measured quality cost "
+        "bfloat16, int8 or int4 (4-bit, bfloat16 activations) weights decode faster on the "
+        "CPU at a measured quality cost "
         "(docs/usage.md)",
     )
     g.add_argument(

@@ -1,5 +1,6 @@
-"""Compact weights under the engine (`--dtype int8`: int8 weights; `--dtype bfloat16`:
-packed for oneDNN where the CPU has bfloat16): cached and fresh output stay identical
+"""Compact weights under the engine (`--dtype int8`: int8 weights; `--dtype int4`: 4-bit
+weights over bfloat16 activations; `--dtype bfloat16`: packed for oneDNN where the CPU has
+bfloat16): cached and fresh output stay identical
 (RAM, SSD after a restart, many requests at once), and their blocks never mix with
 float32 weights' (dtype and kernel are in the namespace)."""
 
@@ -35,7 +36,7 @@ def _same(got: list[Answer], want: list[Answer]) -> None:
     same_answers(got, want, TOL)
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "bfloat16"])
 def test_compact_weights_cached_equal_cache_off_on_ram_and_ssd_after_a_restart(
     tiny_llama_dir: Path, tmp_path: Path, dtype: str
 ) -> None:
@@ -62,7 +63,7 @@ def test_compact_weights_cached_equal_cache_off_on_ram_and_ssd_after_a_restart(
         assert other.generate(prompts[0], PARAMS).cached_tokens == 0
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["int8", "int4", "bfloat16"])
 def test_compact_weights_many_requests_at_once_equal_each_alone(
     tiny_llama_dir: Path, dtype: str
 ) -> None:
@@ -83,3 +84,39 @@ def test_compact_weights_many_requests_at_once_equal_each_alone(
         for t in threads:
             t.join()
     _same(results, want)
+
+
+def test_int4_blocks_are_never_restored_into_bfloat16_weights_or_back(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """int4 computes in bfloat16 too: only the kernel in the namespace keeps them apart."""
+    prompt = two_prompts()[0]
+    cfg = {"ssd_cache_dir": tmp_path / "kv", "ssd_cache_bytes": 64 * 2**20}
+    with _engine(tiny_llama_dir, "int4", **cfg) as eng:
+        eng.generate(prompt, PARAMS)
+        assert eng.generate(prompt, PARAMS).cached_tokens == len(prompt) - 1
+    with _engine(tiny_llama_dir, "bfloat16", **cfg) as other:
+        assert other.generate(prompt, PARAMS).cached_tokens == 0
+    with _engine(tiny_llama_dir, "int4", **cfg) as eng:  # its own blocks still there
+        assert eng.generate(prompt, PARAMS).cached_tokens == len(prompt) - 1
+
+
+def test_a_lora_adapter_over_int4_layers_changes_the_answer_and_caches_exactly(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from fixtures_lora import make_lora
+
+    lora = make_lora(tiny_llama_dir, tmp_path / "a", seed=1, targets=("q_proj", "down_proj"))
+    prompt = two_prompts()[0]
+    with _engine(tiny_llama_dir, "int4", enable_prefix_caching=False) as off:
+        off.load_adapter("a", lora)
+        want = off.generate(prompt, PARAMS, lora="a")
+        base = off.generate(prompt, PARAMS)
+    assert want.logprobs != base.logprobs  # the adapter is applied over the int4 layers
+    with _engine(tiny_llama_dir, "int4") as eng:
+        eng.load_adapter("a", lora)
+        cold = eng.generate(prompt, PARAMS, lora="a")
+        warm = eng.generate(prompt, PARAMS, lora="a")
+    assert warm.cached_tokens == len(prompt) - 1
+    _same([(cold.token_ids, cold.logprobs or []), (warm.token_ids, warm.logprobs or [])],
+          [(want.token_ids, want.logprobs or [])] * 2)  # fmt: skip

@@ -33,6 +33,10 @@ def test_recorded_once_private_and_read_back(tmp_path: Path) -> None:
     assert not record_namespace(tmp_path, NS, NamespaceInfo("other", "bfloat16", "bfloat16", 64))
     assert read_namespace(tmp_path, NS) == first
     assert first.summary() == "tiny (float32, KV int8, block 16 tokens)"
+    int4 = NamespaceInfo("tiny", "bfloat16", "bfloat16", 16, "int4-g32")
+    assert int4.summary() == "tiny (bfloat16, int4 weights, KV bfloat16, block 16 tokens)"
+    int8 = NamespaceInfo("tiny", "float32", "float32", 16, "int8-pair")
+    assert int8.summary() == "tiny (float32, int8 weights, KV float32, block 16 tokens)"
 
 
 def test_no_description_for_a_name_that_cannot_be_a_file(tmp_path: Path) -> None:

@@ -455,21 +455,26 @@ def _probe(
     layer: torch.nn.Module, rows: int, gen: torch.Generator
 ) -> tuple[torch.nn.Module, torch.Tensor]:
     """What to probe `layer`'s row counts through, and its `[rows, in]` input: for a
-    float layer, its all-ones twin (see `DeterministicRows`) and rows where values of
-    +-2^20 (+-2^40 in float32), which cancel in pairs, sit among small ones; for
-    int8 codes, the layer and random rows."""
+    float or int4 layer, its all-ones twin (see `DeterministicRows`) and rows where
+    values of +-2^20 (+-2^40 in float32), which cancel in pairs, sit among small ones;
+    for int8 codes (exact integer sums), the layer and random rows."""
+    from pagedkv.model.int4 import Int4Linear, int4_ones_like
     from pagedkv.model.linear import PackedLinear, pack_linear
 
     weight = layer.weight
     assert isinstance(weight, torch.Tensor) and isinstance(layer, torch.nn.Linear)
-    if not weight.is_floating_point():  # int8 codes: exact integer sums
+    twin: torch.nn.Module
+    if isinstance(layer, Int4Linear):
+        twin, dtype = int4_ones_like(layer), layer.scales_zeros.dtype
+    elif not weight.is_floating_point():
         return layer, torch.randn(rows, layer.in_features, generator=gen)
-    dtype = weight.dtype
-    twin = torch.nn.Linear(layer.in_features, layer.out_features, bias=False, dtype=dtype)
-    torch.nn.init.ones_(twin.weight)
-    twin.requires_grad_(False)
-    if isinstance(layer, PackedLinear):
-        pack_linear(twin)
+    else:
+        dtype = weight.dtype
+        twin = torch.nn.Linear(layer.in_features, layer.out_features, bias=False, dtype=dtype)
+        torch.nn.init.ones_(twin.weight)
+        twin.requires_grad_(False)
+        if isinstance(layer, PackedLinear):
+            pack_linear(twin)
     x = torch.randn(rows, layer.in_features, generator=gen)
     big = 2.0**40 if dtype == torch.float32 else 2.0**20
     for row in x:

@@ -12,6 +12,11 @@ again into a new directory, and two different files never share one. The
 digest is also written into the directory's `SOURCE_MARKER`, which
 `fingerprint.weights_digest` folds into the model's cache namespace.
 
+The de-quantized weights keep the file's grid: a Q4_1 tensor becomes `code * d + m`
+per group of 32 along the input, which `--dtype int4` (`model.int4`) codes back to
+the same codes (its bfloat16 scale and zero round d and m); other types are coded
+afresh (the bundled file's Q8_0 embedding, so its tied output layer).
+
 Invariants: a conversion is written to a temporary directory and renamed into
 place, so a crash never leaves a half-written model; a file lock per target
 keeps concurrent processes from converting twice. Nothing here touches the network.

@@ -40,6 +40,7 @@ from pagedkv.model.generation_defaults import (
     SamplingDefaults,
     read_sampling_defaults,
 )
+from pagedkv.model.int4 import INT4_KERNEL, quantize_linears_int4
 from pagedkv.model.kinds import LayerKinds, read_layer_kinds
 from pagedkv.model.kv_format import KVFormat, kv_format
 from pagedkv.model.kv_layer import GrowableLayer
@@ -100,6 +101,10 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         if device.type != "cpu":
             raise ValueError("dtype 'int8' (int8 weights) runs on the CPU only; use device 'cpu'")
         return torch.float32
+    if dtype == "int4":
+        if device.type != "cpu":
+            raise ValueError("dtype 'int4' (4-bit weights) runs on the CPU only; use device 'cpu'")
+        return torch.bfloat16  # the int4 kernel's fast path takes bfloat16 rows only
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}; got {dtype!r}")
     return _DTYPES[dtype]
@@ -127,6 +132,7 @@ class ModelAdapter(TextMethods):
         name: str,
         model_dir: Path | None = None,
         int8_weights: bool = False,
+        int4_weights: bool = False,
         processor: Any = None,
     ) -> None:
         self.model = model
@@ -214,9 +220,28 @@ class ModelAdapter(TextMethods):
                 )
             self.linear_kernel = INT8_KERNEL
             logger.info("linear layers hold int8 weights")
+        elif int4_weights:
+            self._quantize_int4(model, name)
         elif pack_linears(model):
             self.linear_kernel = KERNEL
             logger.info("linear layers packed for oneDNN")
+
+    def _quantize_int4(self, model: Any, name: str) -> None:
+        """`--dtype int4`: 4-bit weights over bfloat16 activations (`model.int4`)."""
+        made = quantize_linears_int4(model, self.dtype)
+        if not made:
+            raise ModelNotSupportedError(
+                f"dtype 'int4' found no linear layer on the CPU in {name} with in-features a "
+                "multiple of 32 and out-features a multiple of 16; use dtype 'bfloat16'"
+            )
+        self.linear_kernel = INT4_KERNEL
+        logger.info("%d linear layers hold int4 weights (groups of 32)", made)
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            logger.warning(
+                "dtype 'int4': this CPU has no native bfloat16 (AVX512-BF16 or AMX), where the "
+                "int4 kernel has no fast path (its slow path measured ~25x slower a token "
+                "on a bfloat16 CPU); it still serves, but dtype 'int8' is likely faster here"
+            )
 
     # ---- identity -------------------------------------------------------
 
@@ -675,6 +700,7 @@ def load_model(
         name=name,
         model_dir=directory,
         int8_weights=dtype == "int8",
+        int4_weights=dtype == "int4",
         processor=processor,
     )
     logger.info("loaded %r", adapter)

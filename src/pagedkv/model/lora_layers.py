@@ -96,7 +96,11 @@ class PreparedLora:
         plain: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for path, (a, b) in lora.modules.items():
             weight = layers[path].weight
+            # coded weights: their activations' dtype (int4's scales hold it; int8's is float32)
+            zeros = getattr(layers[path], "scales_zeros", None)
             dtype = weight.dtype if weight.is_floating_point() else torch.float32
+            if zeros is not None:
+                dtype = zeros.dtype
             a = a.to(device=weight.device, dtype=torch.float32)
             b = b.to(device=weight.device, dtype=torch.float32) * lora.scale
             plain[path] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())

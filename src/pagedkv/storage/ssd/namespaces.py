@@ -64,8 +64,10 @@ class NamespaceInfo:
     first_seen: float = 0.0
 
     def summary(self) -> str:
-        # int8 weights change what the model computes; a packed float kernel only rounds
-        kernel = ", int8 weights" if "int8" in self.weights_kernel else ""
+        # int8 and int4 weights change what the model computes; a packed float kernel
+        # only rounds
+        bits = next((b for b in ("int8", "int4") if b in self.weights_kernel), None)
+        kernel = f", {bits} weights" if bits else ""
         return (
             f"{self.model} ({self.dtype}{kernel}, KV {self.kv_dtype}, "
             f"block {self.block_size} tokens)"
