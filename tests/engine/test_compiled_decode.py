@@ -208,3 +208,31 @@ def test_engine_refuses_it_with_deterministic(model_dir: Path) -> None:
         Engine.from_pretrained(
             str(model_dir), config=config, scheduling=SchedulerConfig(deterministic=True)
         )
+
+
+def test_int4_layers_are_multiplied_inside_the_compiled_layer(tmp_path: Path) -> None:
+    """4-bit layers (`--dtype int4`) are the package's own inputs, q/k/v and gate/up
+    concatenated; bfloat16 rows: greedy tokens and logits as the eager step's within
+    bfloat16's rounding."""
+    adapter = load_model(str(make_tiny_model(tmp_path / "llama", seed=1)), dtype="int4")
+    adapter.compile_decode()
+    step = adapter.compiled
+    assert step is not None, adapter.decode_path
+    layer = step._step.layers[0]
+    assert len(layer.qkv) == 3 and len(layer.gate_up) == 3  # tensors, not a registered layer
+    assert layer.qkv[0].dtype == torch.uint8
+    prompts = [[(13 * r + 5 * i + 2) % 400 + 5 for i in range(18 + 7 * r)] for r in range(2)]
+    kvs, firsts = [], []
+    for p in prompts:
+        kv = adapter.new_kv_buffer(len(p) + 8)
+        kvs.append(kv)
+        firsts.append(int(adapter.forward_batch([SeqChunk(kv, 0, p, True)])[0].argmax()))
+    twins = [kv.clone() for kv in kvs]
+    starts = [len(p) for p in prompts]
+    got, got_logits = _decode(adapter, kvs, starts, firsts, 4)
+    adapter.compiled = None
+    want, want_logits = _decode(adapter, twins, starts, firsts, 4)
+    assert got == want
+    for g, w in zip(got_logits, want_logits, strict=True):
+        atol = 16 * torch.finfo(torch.bfloat16).eps * float(w.abs().max())
+        torch.testing.assert_close(g, w, rtol=0, atol=atol)

@@ -7,6 +7,7 @@ in the identity."""
 from __future__ import annotations
 
 import logging
+import typing
 import weakref
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from pagedkv.model.int4 import (
     int4_codes,
     int4_dequantize,
     int4_ones_like,
+    int4_side_by_side,
+    int4_unpacked,
     quantize_linear_int4,
     quantize_linears_int4,
 )
@@ -31,6 +34,25 @@ from pagedkv.model.linear import PackedLinear
 def _layer(inp: int, out: int, seed: int, bias: bool = True) -> torch.nn.Linear:
     torch.manual_seed(seed)
     return torch.nn.Linear(inp, out, bias=bias).to(torch.bfloat16).requires_grad_(False)
+
+
+@pytest.mark.parametrize("outs", [(32, 32, 48), (576, 192, 192)])
+def test_layers_side_by_side_give_each_layers_product(outs: tuple[int, ...]) -> None:
+    """Packed tensors concatenate only where each part but the last holds a multiple of
+    64 rows (32 + 32 does not): the side-by-side layer is packed afresh from the codes
+    read back."""
+    layers = [_layer(64, out, seed=i) for i, out in enumerate(outs)]
+    codes = [int4_codes(layer.weight, torch.bfloat16)[0] for layer in layers]
+    for layer in layers:
+        quantize_linear_int4(layer)
+    coded = [typing.cast(Int4Linear, layer) for layer in layers]
+    assert all(torch.equal(int4_unpacked(c), k) for c, k in zip(coded, codes, strict=True))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    weight, scales_zeros, bias = int4_side_by_side(coded)
+    with torch.inference_mode():
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scales_zeros)
+        want = torch.cat([layer(x) for layer in layers], dim=-1)
+    assert torch.equal(got + bias, want)
 
 
 def test_int4_layer_computes_the_product_over_its_dequantized_weight() -> None:
@@ -115,6 +137,9 @@ class Tied(torch.nn.Module):
         self.head.weight = self.embed.weight
         self.to(torch.bfloat16).requires_grad_(False)
 
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.head
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.narrow(self.odd(F.silu(self.up(self.embed(ids))))))
 
@@ -126,12 +151,13 @@ def test_quantize_linears_int4_codes_what_it_can_and_keeps_the_embedding() -> No
         want = model(ids).float()
     embedding = model.embed.weight.clone()
     freed = weakref.ref(model.up.weight)
-    assert quantize_linears_int4(model) == 3
+    assert quantize_linears_int4(model) == 2
     assert freed() is None  # the float weight went with its layer's coding
-    assert all(type(m) is Int4Linear for m in (model.up, model.odd, model.head))
+    assert all(type(m) is Int4Linear for m in (model.up, model.odd))
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert type(model.narrow) is (PackedLinear if native else torch.nn.Linear)
-    assert torch.equal(model.embed.weight, embedding)  # the tied head got its own codes
+    # the output layer is never coded; a layer whose in-features are no group's multiple cannot be
+    assert type(model.narrow) is type(model.head) is (PackedLinear if native else torch.nn.Linear)
+    assert torch.equal(model.embed.weight, embedding)
     with torch.inference_mode():
         got = model(ids).float()
     assert (got - want).abs().max().item() < 0.2 * want.abs().max().item()
@@ -140,8 +166,10 @@ def test_quantize_linears_int4_codes_what_it_can_and_keeps_the_embedding() -> No
 def test_int4_adapter_names_its_kernel_and_answers_close_to_bfloat16(tiny_llama_dir: Path) -> None:
     bf16 = load_model(tiny_llama_dir, dtype="bfloat16")
     int4 = load_model(tiny_llama_dir, dtype="int4")
+    head = int4.model.get_output_embeddings()
     linears = [m for m in int4.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is Int4Linear for m in linears)
+    assert linears and all(type(m) is Int4Linear for m in linears if m is not head)
+    assert type(head) is not Int4Linear
     assert int4.linear_kernel == INT4_KERNEL and int4.dtype == torch.bfloat16
     assert int4.identity(16)["linear"] != bf16.identity(16)["linear"]
     assert int4.fingerprint(16) != bf16.fingerprint(16)

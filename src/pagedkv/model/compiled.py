@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.model.batch import RaggedPlan, SeqChunk, plan_batch, ragged_attention
-from pagedkv.model.int4 import INT4_GROUP, Int4Linear
+from pagedkv.model.int4 import INT4_GROUP, Int4Linear, int4_side_by_side
 from pagedkv.model.linear import INT8_KERNEL, pack_linear
 
 log = logging.getLogger(__name__)
@@ -214,16 +214,12 @@ def _fused(*layers: Any) -> torch.nn.Module:
 def _product_of(layers: Sequence[Any], keep: list[torch.nn.Module]) -> Product:
     """How the compiled layer multiplies by `layers`' outputs side by side (q, k and v;
     gate and up: one product instead of two or three, each a call with a fixed cost),
-    or by one layer. 4-bit layers (`model.int4`) as their tensors, concatenated along
-    the outputs (their packing keeps each output row's codes apart); other layers
+    or by one layer. 4-bit layers (`model.int4`) as their tensors, side by side along
+    the outputs (`int4_side_by_side`, a copy); other layers
     registered by index, fused into a copy packed for oneDNN as the model's own are
     (`model.linear`; kept alive in `keep`)."""
     if all(isinstance(layer, Int4Linear) for layer in layers):
-        biases = [layer.bias for layer in layers]
-        bias = torch.empty(0) if biases[0] is None else torch.cat(biases)
-        weight = torch.cat([layer.weight for layer in layers])
-        scales_zeros = torch.cat([layer.scales_zeros for layer in layers], dim=1)
-        return (weight, scales_zeros, bias)
+        return int4_side_by_side(layers)
     module = layers[0] if len(layers) == 1 else _fused(*layers)
     keep.append(module)
     return (_register(module),)
