@@ -24,10 +24,11 @@ from pagedkv.cache.hashing import BlockHasher, ExtraKeys
 from pagedkv.cache.pool import Block, BlockPool, BlockTable, PoolStats, PrefixMatch
 from pagedkv.config import CacheConfig, cache_home, parse_size
 
-# Where inductor keeps what it compiled (`model.compiled`), so a restart loads the
-# compiled decode step instead of compiling it again: under pagedkv's user cache. torch
-# reads it once, at its first compile-related import (transformers' import may make it),
-# so it is set here, before anything of pagedkv imports torch.
+# Where inductor keeps its build files (the compiled decode step's, `model.compiled`,
+# whose finished package goes to the user cache's `compiled/`): under pagedkv's user
+# cache rather than /tmp, so a rebuild after a restart reuses them. torch reads it once,
+# at its first compile-related import (transformers' import may make it), so it is set
+# here, before anything of pagedkv imports torch.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_home() / "inductor"))
 from pagedkv.errors import (
     CacheCorruptionError,

@@ -114,16 +114,22 @@ def int4_unpacked(layer: Int4Linear) -> torch.Tensor:
 
 def int4_side_by_side(layers: typing.Sequence[Int4Linear]) -> tuple[torch.Tensor, ...]:
     """`(weight, scales_zeros, bias)` of one 4-bit layer computing `layers`' outputs
-    side by side (bias empty where they have none). Packed afresh from their codes:
-    the packing interleaves output rows in blocks of 64, so packed tensors
-    concatenate only where each but the last holds a multiple of 64 rows."""
-    codes = torch.cat([int4_unpacked(layer) for layer in layers])
-    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    side by side (bias empty where they have none). The packing interleaves output
+    rows in blocks of 64, so packed tensors concatenate as they are only where each
+    but the last holds a multiple of 64 rows (as in the bundled model's q/k/v and
+    gate/up): checked on a row's products, and packed afresh from the codes read back
+    (`int4_unpacked`, ~8 ms a layer here) where they differ."""
+    weight = torch.cat([layer.weight for layer in layers])
     scales_zeros = torch.cat([layer.scales_zeros for layer in layers], dim=1)
-    biases = [layer.bias for layer in layers]
-    bias = (
-        torch.empty(0) if biases[0] is None else torch.cat(typing.cast(list[torch.Tensor], biases))
-    )
+    biases = typing.cast(list[torch.Tensor], [layer.bias for layer in layers])
+    bias = torch.empty(0) if biases[0] is None else torch.cat(biases)
+    row = torch.randn(1, layers[0].in_features, generator=torch.Generator().manual_seed(0))
+    row = row.to(scales_zeros.dtype)
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    apart = [mm(row, layer.weight, INT4_GROUP, layer.scales_zeros) for layer in layers]
+    if not torch.equal(mm(row, weight, INT4_GROUP, scales_zeros), torch.cat(apart, dim=-1)):
+        codes = torch.cat([int4_unpacked(layer) for layer in layers])
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     return weight, scales_zeros, bias
 
 
