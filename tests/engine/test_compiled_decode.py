@@ -101,7 +101,9 @@ def test_compiled_decode_matches_the_eager_step(compiled: ModelAdapter, rows: in
     assert step.active  # every row count went through the one exported layer
 
 
-def test_a_second_start_loads_the_package(compiled: ModelAdapter, model_dir: Path) -> None:
+def test_a_second_start_loads_the_package_and_a_damaged_one_is_built_again(
+    compiled: ModelAdapter, model_dir: Path
+) -> None:
     step = compiled.compiled
     assert step is not None and not step.loaded and step.path.is_file()
     again = load_model(str(model_dir))
@@ -109,6 +111,11 @@ def test_a_second_start_loads_the_package(compiled: ModelAdapter, model_dir: Pat
     assert again.compiled is not None and again.compiled.loaded
     assert again.compiled.path == step.path
     assert "loaded in" in again.decode_path
+    step.path.write_bytes(b"damaged")  # a package that does not load is built again
+    third = load_model(str(model_dir))
+    third.compile_decode()
+    assert third.compiled is not None and not third.compiled.loaded
+    assert "built in" in third.decode_path and step.path.stat().st_size > 1000
 
 
 def test_the_namespace_names_the_compiled_step(compiled: ModelAdapter) -> None:
@@ -236,3 +243,20 @@ def test_int4_layers_are_multiplied_inside_the_compiled_layer(tmp_path: Path) ->
     for g, w in zip(got_logits, want_logits, strict=True):
         atol = 16 * torch.finfo(torch.bfloat16).eps * float(w.abs().max())
         torch.testing.assert_close(g, w, rtol=0, atol=atol)
+
+
+def test_a_package_folder_others_may_write_is_never_loaded(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package is code the server runs: its folder is the user's own, or decoding
+    stays eager."""
+    monkeypatch.setenv("PAGEDKV_CACHE_HOME", str(tmp_path))
+    folder = tmp_path / "compiled"
+    folder.mkdir()
+    folder.chmod(0o777)
+    adapter = load_model(str(model_dir))
+    adapter.compile_decode()
+    assert adapter.compiled is None
+    assert "writable by group or others" in adapter.decode_path
+    assert "run code in the server" in adapter.decode_path
+    assert not any(folder.iterdir())  # nothing built there either

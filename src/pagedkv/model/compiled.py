@@ -74,11 +74,14 @@ import torch.nn.functional as F
 from pagedkv.model.batch import RaggedPlan, SeqChunk, plan_batch, ragged_attention
 from pagedkv.model.int4 import INT4_GROUP, Int4Linear, int4_side_by_side
 from pagedkv.model.linear import INT8_KERNEL, pack_linear
+from pagedkv.storage.ssd.ownership import check_directory, make_private_dir
 
 log = logging.getLogger(__name__)
 
 # The row counts run at start-up (the last is the example the layer is exported at).
 COMPILED_ROWS = (1, 2)
+# What the packages' folder is, and what a writer to it could do.
+_PACKAGES = ("compiled decode directory", "run code in the server")
 # The most rows the exported layer takes (a step's decode rows: one per running sequence).
 _MAX_ROWS = 1 << 16
 # Model types whose decoder `DecodeStep` computes, layer for layer.
@@ -423,16 +426,20 @@ class CompiledDecode:
         On any failure the step stays eager (`reason`)."""
         started = time.perf_counter()
         try:
-            self.loaded = self.path.is_file()
-            if not self.loaded:
+            # A package is code the server runs: never from a folder others may write.
+            check_directory(self.path.parent, _PACKAGES)
+            package = None
+            if self.path.is_file():
+                try:
+                    package = _load(self.path)
+                    self.loaded = True
+                except Exception as exc:  # a damaged file: built again
+                    log.warning("decode step: package %s did not load (%s)", self.path, exc)
+                    self.path.unlink(missing_ok=True)
+            if package is None:
                 self.build()
-            # torch's loader itself: `aoti_load_package` first probes which vector
-            # instructions the CPU runs (2-2.5 s of subprocesses here) only to warn
-            # when they differ from the build's, which the package's name already
-            # includes; and its call parses the package's input layout every time.
-            self._step.package = torch._C._aoti.AOTIModelPackageLoader(
-                str(self.path), "model", False, 1, -1
-            )
+                package = _load(self.path)
+            self._step.package = package
             for rows in COMPILED_ROWS:
                 chunks = [SeqChunk(new_buffer(4), 1, [0], True) for _ in range(rows)]
                 self(chunks, kv_format, device)
@@ -464,7 +471,7 @@ class CompiledDecode:
                 _Exported(step.shape), (h, cos, cos.clone(), args), dynamic_shapes=dims,
                 strict=False,
             )  # fmt: skip
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.path.parent)
         partial = self.path.with_suffix(f".{os.getpid()}.partial.pt2")
         try:
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial))
@@ -485,6 +492,14 @@ class CompiledDecode:
             _running.plan = None
         self.steps += 1
         return logits[keep]
+
+
+def _load(path: Path) -> Any:
+    """The package at `path`, through torch's loader itself: `aoti_load_package` first
+    probes which vector instructions the CPU runs (2-2.5 s of subprocesses here) only
+    to warn where they differ from the build's, which the package's name includes, and
+    its call parses the package's input layout every time."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
 
 
 def _leaves(args: _LayerArgs) -> list[torch.Tensor]:

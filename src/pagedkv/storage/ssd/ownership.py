@@ -40,36 +40,45 @@ DIR_MODE = 0o700
 FILE_MODE = 0o600
 
 
-class UnsafeCacheDirectoryError(PagedKVError):
-    """The SSD cache directory may be written by someone else than its user."""
+# What a writer to an SSD cache directory can do (`check_directory`'s default).
+_SSD = ("SSD cache directory", "make engines serve forged KV")
 
-    def __init__(self, path: Path, problem: str, fix: str) -> None:
+
+class UnsafeCacheDirectoryError(PagedKVError):
+    """A cache directory may be written by someone else than its user."""
+
+    def __init__(self, path: Path, problem: str, fix: str, what: tuple[str, str] = _SSD) -> None:
         self.path = path
+        kind, harm = what
         super().__init__(
-            f"refusing SSD cache directory {path}: {problem}; anyone who can write there can "
-            f"make engines serve forged KV. Fix: {fix}, or pick a directory of your own"
+            f"refusing {kind} {path}: {problem}; anyone who can write there can "
+            f"{harm}. Fix: {fix}, or pick a directory of your own"
         )
 
 
-def check_directory(path: Path) -> None:
-    """Refuse an existing directory owned by another user or writable by group or others."""
+def check_directory(path: Path, what: tuple[str, str] = _SSD) -> None:
+    """Refuse an existing directory owned by another user or writable by group or
+    others; `what`: the directory's kind and what a writer to it could do."""
     try:
         st = path.stat()
     except FileNotFoundError:
         return
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeCacheDirectoryError(path, "it is not a directory", f"remove {path}")
+        raise UnsafeCacheDirectoryError(path, "it is not a directory", f"remove {path}", what)
     me = os.geteuid()
     if st.st_uid != me:
         raise UnsafeCacheDirectoryError(
             path, f"it is owned by uid {st.st_uid}, not by this user (uid {me})",
-            f"chown {me} {path} && chmod 700 {path}",
+            f"chown {me} {path} && chmod 700 {path}", what,
         )  # fmt: skip
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
         raise UnsafeCacheDirectoryError(
-            path, f"its mode is {mode:04o}, writable by group or others", f"chmod 700 {path}"
-        )
+            path, f"its mode is {mode:04o}, writable by group or others", f"chmod 700 {path}",
+            what,
+        )  # fmt: skip
+    if what != _SSD:
+        return
     if mode & 0o055:
         log.warning(
             "SSD cache directory %s has mode %04o: other users can read the cached token ids "
