@@ -187,14 +187,14 @@ def test_a_decoder_it_does_not_describe_stays_eager(tmp_path: Path) -> None:
     assert int8.compiled is None and "int8 weights" in int8.decode_path
 
 
-def _engine(model: Path, **cache: object) -> Engine:
+def _engine(model: Path, dtype: str = "auto", **cache: object) -> Engine:
     config = CacheConfig(block_size=BS, ram_cache_bytes=64 * 2**20, compile_decode=True, **cache)  # type: ignore[arg-type]
-    return Engine.from_pretrained(str(model), config=config)
+    return Engine.from_pretrained(str(model), config=config, dtype=dtype)
 
 
-def test_engine_cached_equals_fresh_with_the_compiled_step(model_dir: Path) -> None:
+def _cached_equals_fresh(model: Path, dtype: str = "auto") -> None:
     turn1 = [(5 * i + 1) % 400 + 5 for i in range(37)]
-    with _engine(model_dir) as eng:
+    with _engine(model, dtype) as eng:
         runtime = stats_json(eng.cache_stats())["runtime"]
         assert runtime["decode"].startswith("compiled (aotinductor:")
         first = eng.generate(turn1, GREEDY)
@@ -204,9 +204,13 @@ def test_engine_cached_equals_fresh_with_the_compiled_step(model_dir: Path) -> N
     assert again.cached_tokens == len(turn1) - 1
     assert again.token_ids == first.token_ids
     assert second.cached_tokens >= len(turn1) // BS * BS
-    with _engine(model_dir, enable_prefix_caching=False) as fresh:
+    with _engine(model, dtype, enable_prefix_caching=False) as fresh:
         assert fresh.generate(turn1, GREEDY).token_ids == first.token_ids
         assert fresh.generate(turn2, GREEDY).token_ids == second.token_ids
+
+
+def test_engine_cached_equals_fresh_with_the_compiled_step(model_dir: Path) -> None:
+    _cached_equals_fresh(model_dir)
 
 
 def test_engine_refuses_it_with_deterministic(model_dir: Path) -> None:
@@ -243,6 +247,7 @@ def test_int4_layers_are_multiplied_inside_the_compiled_layer(tmp_path: Path) ->
     for g, w in zip(got_logits, want_logits, strict=True):
         atol = 16 * torch.finfo(torch.bfloat16).eps * float(w.abs().max())
         torch.testing.assert_close(g, w, rtol=0, atol=atol)
+    _cached_equals_fresh(tmp_path / "llama", "int4")  # the mode the docs recommend
 
 
 def test_a_package_folder_others_may_write_is_never_loaded(
