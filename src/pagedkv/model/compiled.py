@@ -9,7 +9,7 @@ element-wise work into a few loops.
 What is compiled: `decode_layer`, one decoder layer's decode rows (RMS norms,
 rotary positions, a SiLU-gated MLP; llama, mistral without a window, qwen2,
 qwen3) written here over the model's own tensors, which it takes as inputs
-(`_LayerArgs`): every layer has the same shapes, so one compiled layer serves
+(`LayerArgs`): every layer has the same shapes, so one compiled layer serves
 all of them. `DecodeStep` runs the embedding, the rotary angles and the output
 layer eagerly (a few operations) and the layers through it. The linear products:
 - 4-bit layers (`model.int4`) inside the generated code: the kernel
@@ -60,20 +60,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 import time
-import typing
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from pagedkv.model.batch import RaggedPlan, SeqChunk, plan_batch, ragged_attention
-from pagedkv.model.int4 import INT4_GROUP, Int4Linear, int4_side_by_side
-from pagedkv.model.linear import INT8_KERNEL, pack_linear
+from pagedkv.model import decode_layer as layer_code
+from pagedkv.model.batch import SeqChunk, plan_batch
+from pagedkv.model.decode_layer import DecodeStep, LayerArgs, LayerShape, flat_inputs, running
+from pagedkv.model.linear import INT8_KERNEL
 from pagedkv.storage.ssd.ownership import check_directory, make_private_dir
 
 log = logging.getLogger(__name__)
@@ -88,75 +85,6 @@ _MAX_ROWS = 1 << 16
 _PLAIN_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 # Bumped when `DecodeStep` computes otherwise (part of the namespace's `mode`).
 _STEP_VERSION = 1
-
-# The plan of the step being computed on this thread: the attention op reads it (each
-# engine's worker thread computes its own steps).
-_running = threading.local()
-
-
-# The packed linear layers compiled steps call (`pagedkv::linear`), by index, so the
-# graph holds no oneDNN-packed weight (inductor cannot take one as an input): the
-# model's own modules and the fused copies its `DecodeStep` holds. Weak references: a
-# model let go takes its layers with it.
-_linears: list[weakref.ref[torch.nn.Module]] = []
-
-
-def _register(module: torch.nn.Module) -> torch.Tensor:
-    """`module`'s index among `_linears`, as the 0-d tensor the graph passes on."""
-    _linears.append(weakref.ref(module))
-    return torch.tensor(len(_linears) - 1)
-
-
-@torch.library.custom_op("pagedkv::linear", mutates_args=())
-def linear(x: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
-    """`x [rows, in]` through the registered linear layer `index` (`_register`)."""
-    module = _linears[int(index)]()
-    assert module is not None, "a compiled step outlived its model"
-    return typing.cast(torch.Tensor, module(x))
-
-
-@linear.register_fake
-def _(x: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], out_features))
-
-
-class _Layer:
-    """What `ragged_attention` reads of an attention module: its layer index."""
-
-    def __init__(self, layer_idx: int) -> None:
-        self.layer_idx = layer_idx
-
-
-@torch.library.custom_op("pagedkv::decode_attention", mutates_args=())
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Rows `q [B, heads, head_dim]`, `k` and `v` `[B, kv_heads, head_dim]`, one per decode
-    chunk of the running plan: each row's keys and values go into its sequence's
-    buffer (of KV layer `layer`, a 0-d tensor), and its attention output comes back
-    `[B, heads * head_dim]`."""
-    plan: RaggedPlan = _running.plan
-    n = plan.num_rows
-    query = q.transpose(0, 1).unsqueeze(0)
-    key = k.transpose(0, 1).unsqueeze(0)
-    value = v.transpose(0, 1).unsqueeze(0)
-    out, _ = ragged_attention(
-        _Layer(int(layer)),  # type: ignore[arg-type]
-        query,
-        key,
-        value,
-        None,
-        scaling=scale,
-        pagedkv_plan=plan,
-    )
-    return out[0].reshape(n, -1)
-
-
-@decode_attention.register_fake
-def _(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float
-) -> torch.Tensor:
-    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
 def compile_reason(
@@ -190,177 +118,6 @@ def compile_reason(
     return None
 
 
-# A linear layer as the compiled layer takes it: `(weight, scales_zeros, bias)` of 4-bit
-# weights (`model.int4`), which the graph multiplies itself, or `(index,)` of a
-# registered layer (`pagedkv::linear`).
-Product = tuple[torch.Tensor, ...]
-
-
-def _fused(*layers: Any) -> torch.nn.Module:
-    """One packed (or plain) linear layer computing `layers`' outputs side by side."""
-    weights = [layer.weight for layer in layers]
-    packed = any(w.is_mkldnn for w in weights)
-    dense = torch.cat([w.to_dense() if w.is_mkldnn else w.detach() for w in weights])
-    biases = [layer.bias for layer in layers]
-    fused = torch.nn.utils.skip_init(
-        torch.nn.Linear, dense.shape[1], dense.shape[0], bias=biases[0] is not None
-    )
-    fused.requires_grad_(False)
-    fused.weight.data = dense
-    if fused.bias is not None:
-        fused.bias.data = torch.cat([b.detach() for b in biases])
-    if packed:
-        pack_linear(fused)
-    return fused
-
-
-def _product_of(layers: Sequence[Any], keep: list[torch.nn.Module]) -> Product:
-    """How the compiled layer multiplies by `layers`' outputs side by side (q, k and v;
-    gate and up: one product instead of two or three, each a call with a fixed cost),
-    or by one layer. 4-bit layers (`model.int4`) as their tensors, side by side along
-    the outputs (`int4_side_by_side`, a copy); other layers
-    registered by index, fused into a copy packed for oneDNN as the model's own are
-    (`model.linear`; kept alive in `keep`)."""
-    if all(isinstance(layer, Int4Linear) for layer in layers):
-        return int4_side_by_side(layers)
-    module = layers[0] if len(layers) == 1 else _fused(*layers)
-    keep.append(module)
-    return (_register(module),)
-
-
-def _product(x: torch.Tensor, product: Product, out_features: int) -> torch.Tensor:
-    if len(product) == 1:
-        return torch.ops.pagedkv.linear(x, product[0], out_features)
-    weight, scales_zeros, bias = product
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scales_zeros)
-    return y + bias if bias.numel() else y
-
-
-class _Shape(typing.NamedTuple):
-    """What every layer of one model shares: constants of the compiled layer."""
-
-    head_dim: int
-    qkv: tuple[int, int, int]  # q, k and v's widths
-    hidden: int
-    intermediate: int
-    eps: float
-    scale: float
-    q_norm: bool  # qwen3's norms of q and k
-
-
-class _LayerArgs(typing.NamedTuple):
-    """One decoder layer as the compiled layer takes it: tensors only, alike in shape
-    from layer to layer, so one graph serves them all."""
-
-    layer: torch.Tensor  # its KV layer's index, 0-d
-    norm1: torch.Tensor
-    norm2: torch.Tensor
-    q_norm: torch.Tensor  # empty where the model has none
-    k_norm: torch.Tensor
-    qkv: Product
-    o: Product
-    gate_up: Product
-    down: Product
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
-
-
-def decode_layer(
-    shape: _Shape, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a: _LayerArgs
-) -> torch.Tensor:
-    """One decoder layer over decode rows `h [B, hidden]`: what is compiled."""
-    b, hd = h.shape[0], shape.head_dim
-    x = _rms(h, a.norm1, shape.eps)
-    q, k, v = _product(x, a.qkv, sum(shape.qkv)).split(list(shape.qkv), -1)
-    q, k, v = q.view(b, -1, hd), k.view(b, -1, hd), v.view(b, -1, hd)
-    if shape.q_norm:
-        q, k = _rms(q, a.q_norm, shape.eps), _rms(k, a.k_norm, shape.eps)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    o = torch.ops.pagedkv.decode_attention(q, k, v, a.layer, shape.scale)
-    h = h + _product(o, a.o, shape.hidden)
-    x = _rms(h, a.norm2, shape.eps)
-    n = shape.intermediate
-    gate, up = _product(x, a.gate_up, 2 * n).split([n, n], -1)
-    return h + _product(F.silu(gate) * up, a.down, shape.hidden)
-
-
-class DecodeStep(torch.nn.Module):
-    """One decode row per sequence: `forward(ids [B], positions [B])` gives the float32
-    logits `[B, vocab]`, each row's keys and values written by the attention op. The
-    embedding, rotary angles and output layer run eagerly (a few operations); each
-    decoder layer through `package` (`decode_layer` compiled once for all the layers;
-    `decode_layer` itself until then). It holds the model's own tensors and linear
-    layers, and fused copies of q/k/v and gate/up."""
-
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        text = model.config.get_text_config(decoder=True)
-        inner = model.model
-        heads = int(text.num_attention_heads)
-        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        first = inner.layers[0]
-        a, mlp = first.self_attn, first.mlp
-        self.shape = _Shape(
-            head_dim=head_dim,
-            qkv=(a.q_proj.out_features, a.k_proj.out_features, a.v_proj.out_features),
-            hidden=int(a.o_proj.out_features),
-            intermediate=int(mlp.up_proj.out_features),
-            eps=float(text.rms_norm_eps),
-            scale=float(a.scaling),
-            q_norm=getattr(a, "q_norm", None) is not None,
-        )
-        # The fused copies, the layers the graph calls by index (weakly registered).
-        self.kept: list[torch.nn.Module] = []
-        self.layers = [self._args(i, layer) for i, layer in enumerate(inner.layers)]
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm
-        self.lm_head = model.lm_head
-        rotary = inner.rotary_emb
-        self.inv_freq = rotary.inv_freq
-        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        # Each layer's inputs as the package takes them, flat.
-        self.flat = [_leaves(args) for args in self.layers]
-        self.package: Any = None  # the compiled layer (`CompiledDecode.compile`); None: eager
-
-    def _args(self, i: int, layer: Any) -> _LayerArgs:
-        a, mlp, keep = layer.self_attn, layer.mlp, self.kept
-        none = torch.empty(0)
-        q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
-        return _LayerArgs(
-            layer=torch.tensor(i),
-            norm1=layer.input_layernorm.weight,
-            norm2=layer.post_attention_layernorm.weight,
-            q_norm=none if q_norm is None else q_norm.weight,
-            k_norm=none if k_norm is None else k_norm.weight,
-            qkv=_product_of([a.q_proj, a.k_proj, a.v_proj], keep),
-            o=_product_of([a.o_proj], keep),
-            gate_up=_product_of([mlp.gate_proj, mlp.up_proj], keep),
-            down=_product_of([mlp.down_proj], keep),
-        )
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(ids, self.embed)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), -1)
-        cos = (emb.cos() * self.rope_scale).to(h.dtype)[:, None, :]
-        sin = (emb.sin() * self.rope_scale).to(h.dtype)[:, None, :]
-        for args, flat in zip(self.layers, self.flat, strict=True):
-            if self.package is None:
-                h = decode_layer(self.shape, h, cos, sin, args)
-            else:
-                h = self.package.boxed_run([h, cos, sin, *flat])[0]
-        return typing.cast(torch.Tensor, self.lm_head(self.norm(h))).float()
-
-
 def is_decode_step(chunks: Sequence[SeqChunk]) -> bool:
     """Whether every chunk is one decode row the compiled step computes."""
     return all(
@@ -371,14 +128,14 @@ def is_decode_step(chunks: Sequence[SeqChunk]) -> bool:
 class _Exported(torch.nn.Module):
     """`decode_layer` as `torch.export` takes it: tensors (in nested tuples) in, `h` out."""
 
-    def __init__(self, shape: _Shape) -> None:
+    def __init__(self, shape: LayerShape) -> None:
         super().__init__()
         self.shape = shape
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, args: tuple[Any, ...]
     ) -> torch.Tensor:
-        return decode_layer(self.shape, h, cos, sin, _LayerArgs(*args))
+        return layer_code.decode_layer(self.shape, h, cos, sin, LayerArgs(*args))
 
 
 class CompiledDecode:
@@ -404,13 +161,14 @@ class CompiledDecode:
         return f"aotinductor:torch-{torch.__version__}:{cpu}:v{_STEP_VERSION}"
 
     def package_key(self) -> str:
-        """What the compiled layer depends on: the signature, this file's code, the
-        model's shape constants and each input's dtype and size (not the weights:
-        inputs)."""
-        args = [(str(t.dtype), tuple(t.shape)) for t in _leaves(self._step.layers[0])]
+        """What the compiled layer depends on: the signature, the code exported (this
+        file's and `model.decode_layer`'s), the model's shape constants and each
+        input's dtype and size (not the weights: inputs)."""
+        args = [(str(t.dtype), tuple(t.shape)) for t in flat_inputs(self._step.layers[0])]
         text = repr((self.signature(), tuple(self._step.shape), args))
-        digest = hashlib.sha256(Path(__file__).read_bytes())
-        digest.update(text.encode())
+        digest = hashlib.sha256(text.encode())
+        for source in (__file__, layer_code.__file__):  # the code exported
+            digest.update(Path(source).read_bytes())
         return digest.hexdigest()[:24]
 
     def compile(
@@ -484,12 +242,12 @@ class CompiledDecode:
     ) -> torch.Tensor:
         """The float32 logits `[wanted, vocab]` of one decode step (`is_decode_step`)."""
         plan, ids, positions, keep = plan_batch(chunks, None, device, kv_format, True)
-        _running.plan = plan
+        running.plan = plan
         try:
             with torch.inference_mode():
                 logits = self._step(ids[0], positions[0])
         finally:
-            _running.plan = None
+            running.plan = None
         self.steps += 1
         return logits[keep]
 
@@ -500,7 +258,3 @@ def _load(path: Path) -> Any:
     to warn where they differ from the build's, which the package's name includes, and
     its call parses the package's input layout every time."""
     return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-
-
-def _leaves(args: _LayerArgs) -> list[torch.Tensor]:
-    return typing.cast(list[torch.Tensor], torch.utils._pytree.tree_leaves(tuple(args)))
