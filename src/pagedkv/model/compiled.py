@@ -70,7 +70,6 @@ import torch
 from pagedkv.model import decode_layer as layer_code
 from pagedkv.model.batch import SeqChunk, plan_batch
 from pagedkv.model.decode_layer import DecodeStep, LayerArgs, LayerShape, flat_inputs, running
-from pagedkv.model.linear import INT8_KERNEL
 from pagedkv.storage.ssd.ownership import check_directory, make_private_dir
 
 log = logging.getLogger(__name__)
@@ -87,11 +86,9 @@ _PLAIN_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
 _STEP_VERSION = 1
 
 
-def compile_reason(
-    model: Any, batched: bool, windows: Sequence[int | None], linear_kernel: str
-) -> str | None:
+def compile_reason(model: Any, batched: bool, windows: Sequence[int | None]) -> str | None:
     """Why `model`'s decode step cannot be compiled here (`windows`: its KV layers'
-    sliding windows; `linear_kernel`: `ModelAdapter.linear_kernel`); None if it can."""
+    sliding windows); None if it can."""
     config = model.config
     text = config.get_text_config(decoder=True)
     kind = getattr(text, "model_type", None)
@@ -101,11 +98,6 @@ def compile_reason(
         return "the model runs one sequence per forward, not in the ragged batch"
     if any(w is not None for w in windows):
         return "sliding-window layers"
-    if linear_kernel == INT8_KERNEL:
-        # Its layers share one input's codes, keyed on the input tensor object, and the
-        # generated code reuses an object for another activation (measured: logits off
-        # by ~9 on a tiny llama).
-        return "int8 weights (their layers share input codes by tensor object)"
     if getattr(text, "hidden_act", "silu") != "silu":
         return f"activation {text.hidden_act}"
     inner = getattr(model, "model", None)

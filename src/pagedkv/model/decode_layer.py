@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from pagedkv.model.batch import RaggedPlan, ragged_attention
 from pagedkv.model.int4 import INT4_GROUP, Int4Linear, int4_side_by_side
-from pagedkv.model.linear import pack_linear
+from pagedkv.model.linear import Int8Linear, int8_side_by_side, pack_linear
 
 # The plan of the step being computed on this thread: the attention op reads it (each
 # engine's worker thread computes its own steps).
@@ -48,6 +48,11 @@ def linear(x: torch.Tensor, index: torch.Tensor, out_features: int) -> torch.Ten
     """`x [rows, in]` through the registered linear layer `index` (`_register`)."""
     module = _linears[int(index)]()
     assert module is not None, "a compiled step outlived its model"
+    if isinstance(module, Int8Linear):
+        # Its input codes are kept by input object; generated code may hand over a
+        # buffer it reused for another activation (the whole step compiled at once
+        # did: logits off by ~9 on a tiny llama; not seen with one layer compiled).
+        module.inputs.forget()
     return typing.cast(torch.Tensor, module(x))
 
 
@@ -123,12 +128,17 @@ def _product_of(layers: Sequence[Any], keep: list[torch.nn.Module]) -> Product:
     """How the compiled layer multiplies by `layers`' outputs side by side (q, k and v;
     gate and up: one product instead of two or three, each a call with a fixed cost),
     or by one layer. 4-bit layers (`model.int4`) as their tensors, side by side along
-    the outputs (`int4_side_by_side`, a copy); other layers
-    registered by index, fused into a copy packed for oneDNN as the model's own are
-    (`model.linear`; kept alive in `keep`)."""
+    the outputs (`int4_side_by_side`, a copy); other layers registered by index,
+    fused into a copy packed for oneDNN as the model's own are (`model.linear`), or
+    int8 codes side by side (`int8_side_by_side`); kept alive in `keep`."""
     if all(isinstance(layer, Int4Linear) for layer in layers):
         return int4_side_by_side(layers)
-    module = layers[0] if len(layers) == 1 else _fused(*layers)
+    if len(layers) == 1:
+        module = layers[0]
+    elif all(isinstance(layer, Int8Linear) for layer in layers):
+        module = int8_side_by_side(layers)
+    else:
+        module = _fused(*layers)
     keep.append(module)
     return (_register(module),)
 

@@ -542,7 +542,7 @@ class ModelAdapter(TextMethods):
         the namespace is read (the step is in its `mode`). Where it cannot be compiled or
         disagrees with the eager forward, decode stays eager with a warning
         (`decode_path` says why): never a failed start."""
-        reason = compile_reason(self.model, self.batched, self.kv_windows, self.linear_kernel)
+        reason = compile_reason(self.model, self.batched, self.kv_windows)
         if reason is None:
             try:
                 compiled = CompiledDecode(self.model, cache_home() / "compiled")

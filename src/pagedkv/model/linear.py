@@ -121,6 +121,11 @@ class _InputCodes:
             self.input = x
         return self.codes, self.scales
 
+    def forget(self) -> None:
+        """Code the next input afresh, whatever object it is: generated code (the
+        compiled decode step) may hand over a buffer it reused for another activation."""
+        self.input = None
+
 
 _FINE = 254  # the fine code's unit is 1/254 of the coarse one's
 
@@ -140,6 +145,24 @@ class Int8Linear(torch.nn.Linear):
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def int8_side_by_side(layers: typing.Sequence[Int8Linear]) -> Int8Linear:
+    """One `Int8Linear` computing `layers`' outputs side by side (a copy of their codes
+    and scales, with input codes of its own)."""
+    first = layers[0]
+    fused = torch.nn.utils.skip_init(
+        torch.nn.Linear, first.in_features, sum(x.out_features for x in layers), bias=False
+    )
+    del fused.weight
+    fused.register_buffer("weight", torch.cat([layer.weight for layer in layers]))
+    fused.register_buffer("scale", torch.cat([layer.scale for layer in layers]))
+    if first.bias is not None:
+        bias = torch.cat([typing.cast(torch.Tensor, layer.bias) for layer in layers])
+        fused.bias = torch.nn.Parameter(bias, requires_grad=False)
+    fused.__class__ = Int8Linear
+    typing.cast(Int8Linear, fused).inputs = _InputCodes()
+    return typing.cast(Int8Linear, fused)
 
 
 def quantize_linears(model: torch.nn.Module) -> int:
