@@ -187,6 +187,10 @@ class CompiledDecode:
                     log.warning("decode step: package %s did not load (%s)", self.path, exc)
                     self.path.unlink(missing_ok=True)
             if package is None:
+                log.info(
+                    "decode step: building the layer package, once for this model, dtype and "
+                    "torch (the bundled model: 10-30 s on 2 cores) into %s", self.path
+                )  # fmt: skip
                 self.build()
                 package = _load(self.path)
             self._step.package = package
