@@ -118,8 +118,8 @@ class CacheConfig:
     # What computes the model (`model.choose`): "auto", "torch" or "mlx"; the backend is
     # part of the namespace, so torch and MLX KV never mix in a tier.
     backend: str = "auto"
-    # Compile the decode step (`model.compiled`, the torch backend): a row count's first
-    # compile takes about a minute on 2 cores; inductor keeps it on disk for the next start.
+    # Compile the decode step (`model.compiled`, the torch backend): the first start builds
+    # a package (10-30 s for the bundled model on 2 cores) that later starts load from disk.
     compile_decode: bool = False
     # Store each finished turn in the next prompt's form too when the chat template strips
     # reasoning: "auto" (a render test decides), "on", "off" (`engine.reasoning`).

@@ -56,9 +56,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--compile-decode",
         action="store_true",
         default=env_bool("--compile-decode"),
-        help="compile the decode step with torch.compile (torch backend; llama, mistral, "
-        "qwen2, qwen3): faster decoding, a compile at start-up that later starts load "
-        "from disk (see docs/usage.md; default: off)",
+        help="compile the decode step ahead of time with AOTInductor (torch backend; llama, "
+        "mistral, qwen2, qwen3): faster decoding, a build at the first start that later "
+        "starts load from disk (see docs/usage.md; default: off)",
     )
     g.add_argument(
         "--device",

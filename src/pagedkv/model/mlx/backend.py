@@ -70,7 +70,7 @@ DETERMINISTIC_REASON = (
 LORA_REASON = "LoRA adapters are not available on the MLX backend; use --backend torch"
 IMAGES_REASON = "images are not available on the MLX backend; use --backend torch"
 COMPILE_REASON = (
-    "the compiled decode step is torch's (torch.compile); the MLX backend runs mlx-lm's "
+    "the compiled decode step is torch's (AOTInductor); the MLX backend runs mlx-lm's "
     "model as it is; leave compile_decode off"
 )
 KV_INT8_REASON = (
