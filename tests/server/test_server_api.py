@@ -184,10 +184,17 @@ def test_context_overflow_is_refused_with_the_numbers(client: openai.OpenAI) -> 
 
 
 def test_stop_strings_and_seeds(client: openai.OpenAI) -> None:
-    prompt = unique_text()
-    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, **GREEDY)
-    full = text.choices[0].text
-    start = next(i for i in range(8, len(full) - 3) if "\ufffd" not in full[i : i + 3])
+    # The tiny random model's greedy text after a random prompt is sometimes all broken
+    # UTF-8 (U+FFFD) past its 8th character (seen once in CI): then another prompt.
+    for _ in range(5):
+        prompt = unique_text()
+        text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, **GREEDY)
+        full = text.choices[0].text
+        windows = (i for i in range(8, len(full) - 3) if "\ufffd" not in full[i : i + 3])
+        if (start := next(windows, None)) is not None:
+            break
+    else:
+        pytest.fail("five prompts gave no 3 characters of whole text to stop at")
     stop = full[start : start + 3]
     cut = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=40, stop=[stop], **GREEDY
